@@ -1,0 +1,1 @@
+"""rd2h runtime: binds the sans-IO protocol to sockets, threads and transfer backends."""
