@@ -122,14 +122,19 @@ class LayerLayout(msgspec.Struct, kw_only=True):
     num_blocks: _NumBlocks | None = None  # v2
 
     def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Apply the read-side defaults to absent fields, then check the layout.
+
+        Runs at construction and again before encoding (a Struct is mutable). Raises
+        :class:`InvalidLayout` naming the offending key.
+        """
         n = len(self.base_addrs)
         if self.block_size_scale is None:
             self.block_size_scale = [1] * n
         if self.has_indexer is None:
             self.has_indexer = n > self.main_tensor_count
-        self._check()
-
-    def _check(self) -> None:
         count = self.main_tensor_count
         if not 1 <= count <= MAX_MAIN_TENSORS:
             raise InvalidLayout(
@@ -137,7 +142,6 @@ class LayerLayout(msgspec.Struct, kw_only=True):
                 f"expected 1..{MAX_MAIN_TENSORS}, got {count}",
                 ErrorCode.OUT_OF_RANGE,
             )
-        n = len(self.base_addrs)
         if not count <= n <= count + 2:
             raise InvalidLayout(
                 "base_addrs",
@@ -282,7 +286,7 @@ def encode_layer_metadata(layers: Mapping[str, LayerLayout]) -> bytes:
         if len(name) > MAX_NAME_LEN:
             raise LocalProtocolError(f"layer name of {len(name)} characters exceeds {MAX_NAME_LEN}")
         try:
-            layout._check()
+            layout.validate()
         except InvalidLayout as exc:
             raise InvalidLayout(exc.key, f"layer {name!r}: {exc.message}", exc.code) from None
         body[name] = _wire_dict(layout)
@@ -294,13 +298,20 @@ _RANGE_RE: Final = re.compile(r"Expected `int` (?:>=|<=) ")
 _LENGTH_RE: Final = re.compile(r"Expected `(?:array|object|str)` of length <= ")
 
 
-def _validation_error(where: str, exc: msgspec.ValidationError) -> RemoteProtocolError:
+def _peer_error(where: str, exc: Exception) -> RemoteProtocolError:
+    """Translate whatever decoding a peer's blob raised into a RemoteProtocolError."""
+    if isinstance(exc, InvalidLayout):
+        cls = ValueOutOfRange if exc.code == ErrorCode.OUT_OF_RANGE else MalformedFrame
+        return cls(f"{where}: {exc.message}")
     text = str(exc)
-    if _RANGE_RE.match(text):
-        return ValueOutOfRange(f"{where}: {text}")
-    if _LENGTH_RE.match(text):
-        return FrameTooLarge(f"{where}: {text}")
-    return MalformedFrame(f"{where}: {text}")
+    if isinstance(exc, msgspec.ValidationError):
+        if _RANGE_RE.match(text):
+            return ValueOutOfRange(f"{where}: {text}")
+        if _LENGTH_RE.match(text):
+            return FrameTooLarge(f"{where}: {text}")
+        return MalformedFrame(f"{where}: {text}")
+    # msgspec.DecodeError (not msgpack), or anything else a hostile blob provokes.
+    return MalformedFrame(f"{where}: undecodable msgpack: {text}")
 
 
 def decode_layer_metadata(blob: bytes | bytearray | memoryview) -> dict[str, LayerLayout]:
@@ -312,23 +323,17 @@ def decode_layer_metadata(blob: bytes | bytearray | memoryview) -> dict[str, Lay
     """
     if len(blob) > MAX_FRAME_BYTES:
         raise FrameTooLarge(f"layer metadata of {len(blob)} bytes exceeds {MAX_FRAME_BYTES}")
+    # Two passes (names first, then each layer) so that every error names its layer.
     try:
         raw: dict[str, msgspec.Raw] = _OUTER_DECODER.decode(blob)
-    except msgspec.ValidationError as exc:
-        raise _validation_error("layer metadata", exc) from None
-    except Exception as exc:  # msgspec.DecodeError and whatever a hostile blob provokes
-        raise MalformedFrame(f"layer metadata is not a msgpack map: {exc}") from None
+    except Exception as exc:
+        raise _peer_error("layer metadata", exc) from None
     out: dict[str, LayerLayout] = {}
     for name, value in raw.items():
         try:
             out[name] = _LAYER_DECODER.decode(value)
-        except InvalidLayout as exc:
-            cls = ValueOutOfRange if exc.code == ErrorCode.OUT_OF_RANGE else MalformedFrame
-            raise cls(f"layer {name!r}: {exc.message}") from None
-        except msgspec.ValidationError as exc:
-            raise _validation_error(f"layer {name!r}", exc) from None
         except Exception as exc:
-            raise MalformedFrame(f"layer {name!r}: {exc}") from None
+            raise _peer_error(f"layer {name!r}", exc) from None
     return out
 
 
