@@ -1,7 +1,20 @@
 """``encode`` and ``decode``: the only way bytes become messages and back.
 
 ``decode`` never lets anything but a :class:`RemoteProtocolError` subclass escape: the
-caller can drop, count and reply to a bad frame without guessing what it raised.
+caller can drop, count and reply to a bad frame without guessing what it raised. What it
+refuses, and as which error:
+
+- a frame over :data:`~rd2h_protocol.messages.MAX_FRAME_BYTES`, a list or string over
+  its bound: :class:`FrameTooLarge`;
+- an integer outside its range (negative ids, a layer index over 32 bits):
+  :class:`ValueOutOfRange`;
+- a tag that names no message: :class:`UnknownMessageKind`;
+- everything else (not msgpack, not an array, a str tag, a map, a bin where a str belongs,
+  invalid UTF-8, too few fields, nesting too deep, trailing bytes after the message, the
+  v1 decoder refuses those too): :class:`MalformedFrame`.
+
+Unknown TRAILING fields of a message or of a ``read_reqs`` entry are ignored, as v1 does,
+so a later protocol version can append fields.
 """
 
 from __future__ import annotations
@@ -13,15 +26,16 @@ import msgspec
 
 from rd2h_protocol.errors import (
     FrameTooLarge,
+    LocalProtocolError,
     MalformedFrame,
     RemoteProtocolError,
     UnknownMessageKind,
     ValueOutOfRange,
 )
 from rd2h_protocol.messages import (
-    ACK_V1,
     MAX_FRAME_BYTES,
     MESSAGE_TYPES,
+    OUT_OF_RANGE_PREFIX,
     TAG_ACK_V1,
     Ack,
     Message,
@@ -29,8 +43,10 @@ from rd2h_protocol.messages import (
 
 _ENCODER: Final = msgspec.msgpack.Encoder()
 _DECODERS: Final = {tag: msgspec.msgpack.Decoder(cls) for tag, cls in MESSAGE_TYPES.items()}
-# msgspec names the failed constraint in its message; map the two bound kinds we care about.
-_RANGE_RE: Final = re.compile(r"Expected `int` (?:>=|<=|>|<) ")
+_TAG_OF_TYPE: Final = {cls: tag for tag, cls in MESSAGE_TYPES.items()}
+# msgspec names the failed constraint in its message; map the two bound kinds we care about
+# (plus the cross-field range checks of __post_init__, which carry a fixed prefix).
+_RANGE_RE: Final = re.compile(rf"Expected `int` (?:>=|<=|>|<) |{re.escape(OUT_OF_RANGE_PREFIX)}")
 _LENGTH_RE: Final = re.compile(r"Expected `(?:array|str|bytes)` of length <= ")
 
 
@@ -39,15 +55,34 @@ def encode(msg: Message) -> bytes:
 
     Trailing ``None`` (absent v2) fields are dropped, so a message that uses only v1
     fields encodes to exactly the bytes a v1 peer sends; the v1 handshake reply encodes
-    to the raw frame ``b"ACK"``.
+    to the raw frame ``b"ACK"``. Field bounds are the receiver's to enforce (checking
+    them here would cost as much as decoding); the tag and the frame size are checked.
+
+    Raises:
+        LocalProtocolError: ``msg.kind`` is not its class's tag, a v1 ACK carries v2
+            fields, or the frame would exceed ``MAX_FRAME_BYTES``.
     """
-    if type(msg) is Ack and msg.kind == TAG_ACK_V1:
-        return TAG_ACK_V1
     fields = msgspec.structs.astuple(msg)
+    expected = _TAG_OF_TYPE.get(type(msg))
+    if type(msg) is Ack and msg.kind == TAG_ACK_V1:
+        if any(value is not None for value in fields[1:]):
+            raise LocalProtocolError("the v1 ACK is a raw frame and carries no fields")
+        return TAG_ACK_V1
+    if expected is None or msg.kind != expected:
+        raise LocalProtocolError(
+            f"{type(msg).__name__} must carry tag {expected!r}, found {msg.kind!r}"
+        )
+    # fields[0] is the tag, never None, so this stops at the last present field.
     end = len(fields)
-    while end and fields[end - 1] is None:
+    while fields[end - 1] is None:
         end -= 1
-    return _ENCODER.encode(fields[:end] if end != len(fields) else msg)
+    frame = _ENCODER.encode(fields[:end] if end != len(fields) else msg)
+    if len(frame) > MAX_FRAME_BYTES:
+        raise LocalProtocolError(
+            f"{type(msg).__name__} encodes to {len(frame)} bytes; the limit is "
+            f"{MAX_FRAME_BYTES}: split it"
+        )
+    return frame
 
 
 def _tag_of(frame: bytes | bytearray | memoryview) -> bytes:
@@ -63,7 +98,8 @@ def _tag_of(frame: bytes | bytearray | memoryview) -> bytes:
         pos = 5
     else:
         raise MalformedFrame(f"frame starts with byte 0x{head:02x}; expected a non-empty array")
-    if len(frame) < pos + 2 or frame[pos] != 0xC4:  # bin8
+    # Every tag is short, so v1 (and we) always write it as bin8.
+    if len(frame) < pos + 2 or frame[pos] != 0xC4:
         raise MalformedFrame("the first element (the message tag) must be msgpack bin")
     size = frame[pos + 1]
     tag = bytes(frame[pos + 2 : pos + 2 + size])
@@ -83,7 +119,7 @@ def decode(frame: bytes | bytearray | memoryview) -> Message:
         if len(frame) > MAX_FRAME_BYTES:
             raise FrameTooLarge(f"frame of {len(frame)} bytes exceeds {MAX_FRAME_BYTES}")
         if frame == TAG_ACK_V1:
-            return ACK_V1
+            return Ack(kind=TAG_ACK_V1)  # a fresh value: callers may keep and mutate it
         tag = _tag_of(frame)
         decoder = _DECODERS.get(tag)
         if decoder is None:
@@ -99,5 +135,5 @@ def decode(frame: bytes | bytearray | memoryview) -> Message:
         if _LENGTH_RE.match(text):
             raise FrameTooLarge(text) from None
         raise MalformedFrame(text) from None
-    except Exception as exc:  # msgspec.DecodeError and anything a hostile frame provokes
+    except Exception as exc:  # msgspec.DecodeError, RecursionError, MemoryError, ...
         raise MalformedFrame(f"undecodable frame: {exc}") from None

@@ -46,13 +46,19 @@ CAP_ISOLATE: Final = "isolate"  # per-request failures in READ_DONE
 CAP_RECONNECT: Final = "reconnect"  # UNKNOWN_SESSION triggers a re-handshake
 ALL_CAPABILITIES: Final = (CAP_SEQ, CAP_LEASE, CAP_ABORT, CAP_ISOLATE, CAP_RECONNECT)
 
-# Bounds. A frame larger than this is refused before parsing (ZMQ_MAXMSGSIZE too).
-MAX_FRAME_BYTES: Final = 64 << 20
+# Bounds. A frame larger than this is refused before parsing (ZMQ_MAXMSGSIZE too). The
+# largest real frame is a readiness for a whole unchunked long prompt: 1M tokens in 16-token
+# blocks is 65536 ids per list, about 0.7 MB. 16 MiB leaves ample room while capping what a
+# hostile frame can make the decoder allocate (a few hundred MB of int objects at most).
+MAX_FRAME_BYTES: Final = 16 << 20
 MAX_REQUESTS_PER_BATCH: Final = 16384
 MAX_BLOCKS_PER_REQUEST: Final = 1 << 20
 MAX_NAME_LEN: Final = 4096
 MAX_TEXT_LEN: Final = 65536
 MAX_CAPABILITIES: Final = 64
+
+#: Prefix of the errors ``__post_init__`` raises for a value outside its range.
+OUT_OF_RANGE_PREFIX: Final = "out of range: "
 
 Uint64 = Annotated[int, Meta(ge=0, le=(1 << 64) - 1)]
 BlockId = Annotated[int, Meta(ge=0, le=(1 << 32) - 1)]
@@ -132,6 +138,7 @@ class Ack(msgspec.Struct, array_like=True, kw_only=True):
 
     @property
     def is_v1(self) -> bool:
+        """True for the raw v1 reply ``b"ACK"`` (the peer speaks protocol v1)."""
         return self.kind == TAG_ACK_V1
 
 
@@ -139,6 +146,9 @@ class ReadReadyBatch(msgspec.Struct, array_like=True, kw_only=True):
     """Layer readiness, Prefill -> Decode: one per layer and Decode endpoint.
 
     v1 guards: <= 4 fields: no done ids; <= 5: member 0; <= 6 or 0: ratio 1.
+    ``group_member_idx`` must be below ``tp_ratio`` (v1 computes it as ``p_rank % ratio``);
+    a frame that breaks this is refused, since it would count a contributor that cannot
+    exist and let a request complete early.
     v2 appends ``seq`` (strictly increasing per connection, echoed by the reply) and
     ``lease_ms`` (Decode must not START a read when less than half of it is left).
     """
@@ -154,8 +164,15 @@ class ReadReadyBatch(msgspec.Struct, array_like=True, kw_only=True):
     lease_ms: Count | None = None  # v2
 
     def __post_init__(self) -> None:
-        if self.tp_ratio == 0:
+        if self.tp_ratio == 0:  # v1 reads max(ratio, 1)
             self.tp_ratio = 1
+        if self.group_member_idx >= self.tp_ratio:
+            # ValueError: msgspec turns it into a ValidationError while decoding; the
+            # prefix lets the codec report it as ValueOutOfRange.
+            raise ValueError(
+                f"{OUT_OF_RANGE_PREFIX}group_member_idx {self.group_member_idx} must be "
+                f"below tp_ratio {self.tp_ratio}"
+            )
 
 
 class ReadDone(msgspec.Struct, array_like=True, kw_only=True):
