@@ -1,0 +1,198 @@
+"""Per-parent state of the proxy: which children have posted, and the dispatch-once rule.
+
+Theory of operation
+-------------------
+A client request (the *parent*, keyed by its X-Request-Id) is opened with the external ids
+of its children. Decode posts one rendezvous per child. :meth:`Registry.record` answers
+``READY`` exactly once per parent, for the post that completes the set; only that answer
+starts a Prefill dispatch, so no child is ever dispatched twice. A repeated identical post
+is ``DUPLICATE`` (Decode's metaserver client may retry a post whose answer it lost); a
+repeated post with different content is refused.
+
+A parent id (and every child id) is in use from :meth:`Registry.open` until BOTH the client
+exchange is over and no dispatch for it is running; a client retrying with the same
+X-Request-Id during that window is refused, so the same children are never live twice on
+Decode or Prefill. When both are over the parent is removed: nothing stays behind.
+
+A parent fails once (Prefill answered an error, timed out, or the rendezvous did not
+arrive in time); the client handler waits on :attr:`Parent.failed` to stop the Decode
+exchange early.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class Phase(enum.Enum):
+    """Where a parent is."""
+
+    WAITING = "waiting"  # some children have not posted yet
+    DISPATCHING = "dispatching"  # all posted; the Prefill dispatch is running
+    DISPATCHED = "dispatched"  # Prefill answered success
+    FAILED = "failed"  # the parent failed; see Parent.failure
+
+
+class Outcome(enum.Enum):
+    """What a rendezvous post did."""
+
+    RECORDED = "recorded"  # new child, others still missing
+    READY = "ready"  # new child completing the set: dispatch now (once per parent)
+    DUPLICATE = "duplicate"  # identical repeat of an earlier post: nothing to do
+
+
+class ParentInFlight(Exception):
+    """A parent with this id (or one sharing a child id) is still in flight."""
+
+
+class UnknownChild(Exception):
+    """No open parent expects this child id."""
+
+
+class RendezvousRefused(Exception):
+    """The post conflicts with what was recorded, or the parent can no longer use it."""
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(eq=False)
+class Parent:
+    """One client request and its children."""
+
+    parent_id: str
+    api: str
+    body: dict[str, Any]
+    headers: dict[str, str]
+    children: tuple[str, ...]
+    opened_at: float
+    posted: dict[str, dict[str, Any]] = field(default_factory=dict)
+    phase: Phase = Phase.WAITING
+    client_open: bool = True
+    dispatch_running: bool = False
+    failure: tuple[int, str] | None = None
+    failed: asyncio.Event = field(default_factory=asyncio.Event)
+    timer: asyncio.TimerHandle | None = None
+
+
+class Registry:
+    """Open parents, indexed by parent id and by child id."""
+
+    def __init__(self) -> None:
+        self._parents: dict[str, Parent] = {}
+        self._by_child: dict[str, Parent] = {}
+
+    def __len__(self) -> int:
+        return len(self._parents)
+
+    def __iter__(self) -> Iterator[Parent]:
+        return iter(list(self._parents.values()))
+
+    @property
+    def child_count(self) -> int:
+        """Child ids currently indexed (for leak checks)."""
+        return len(self._by_child)
+
+    def open(
+        self,
+        parent_id: str,
+        api: str,
+        body: dict[str, Any],
+        headers: Mapping[str, str],
+        children: tuple[str, ...],
+        now: float,
+    ) -> Parent:
+        """Register a new parent; :class:`ParentInFlight` if its id or a child id is in use."""
+        if parent_id in self._parents:
+            raise ParentInFlight(
+                f"request {parent_id!r} is still in flight; retry after it has finished"
+            )
+        clash = next((c for c in children if c in self._by_child), None)
+        if clash is not None:
+            raise ParentInFlight(
+                f"child request {clash!r} of {parent_id!r} is still in flight "
+                f"(for request {self._by_child[clash].parent_id!r})"
+            )
+        if len(set(children)) != len(children):
+            raise ValueError(f"duplicate child ids in {children!r}")
+        parent = Parent(parent_id, api, body, dict(headers), children, now)
+        self._parents[parent_id] = parent
+        for child in children:
+            self._by_child[child] = parent
+        return parent
+
+    def lookup(self, child_id: str) -> Parent | None:
+        """The open parent expecting ``child_id``."""
+        return self._by_child.get(child_id)
+
+    def record(self, child_id: str, params: dict[str, Any]) -> tuple[Parent, Outcome]:
+        """Record a child's rendezvous params; see :class:`Outcome`.
+
+        Raises :class:`UnknownChild` when no open parent expects the child, and
+        :class:`RendezvousRefused` (409) for a post that contradicts an earlier one, or
+        (410) for a parent whose client has gone or that already failed.
+        """
+        parent = self._by_child.get(child_id)
+        if parent is None:
+            raise UnknownChild(f"no request in flight expects a rendezvous for {child_id!r}")
+        earlier = parent.posted.get(child_id)
+        if earlier is not None:
+            if earlier != params:
+                raise RendezvousRefused(
+                    f"a different rendezvous for {child_id!r} was already recorded", 409
+                )
+            return parent, Outcome.DUPLICATE
+        if not parent.client_open or parent.phase is Phase.FAILED:
+            why = parent.failure[1] if parent.failure else "its client request has ended"
+            raise RendezvousRefused(f"request {parent.parent_id!r} is over: {why}", 410)
+        parent.posted[child_id] = params
+        if len(parent.posted) < len(parent.children):
+            return parent, Outcome.RECORDED
+        # The post completing the set: the one and only place a dispatch is started.
+        parent.phase = Phase.DISPATCHING
+        parent.dispatch_running = True
+        if parent.timer is not None:
+            parent.timer.cancel()
+            parent.timer = None
+        return parent, Outcome.READY
+
+    def fail(self, parent: Parent, status: int, message: str) -> bool:
+        """Mark ``parent`` failed (the first failure wins); True if this call failed it."""
+        if parent.phase is Phase.FAILED:
+            return False
+        parent.phase = Phase.FAILED
+        parent.failure = (status, message)
+        parent.failed.set()
+        return True
+
+    def dispatch_succeeded(self, parent: Parent) -> None:
+        """Prefill accepted the dispatch."""
+        if parent.phase is Phase.DISPATCHING:
+            parent.phase = Phase.DISPATCHED
+
+    def finish_dispatch(self, parent: Parent) -> None:
+        """The dispatch task is over (either way); remove the parent if its client is gone."""
+        parent.dispatch_running = False
+        self._maybe_remove(parent)
+
+    def close_client(self, parent: Parent) -> None:
+        """The client exchange is over; remove the parent unless a dispatch still runs."""
+        parent.client_open = False
+        if parent.timer is not None:
+            parent.timer.cancel()
+            parent.timer = None
+        self._maybe_remove(parent)
+
+    def _maybe_remove(self, parent: Parent) -> None:
+        if parent.client_open or parent.dispatch_running:
+            return
+        if self._parents.get(parent.parent_id) is parent:
+            del self._parents[parent.parent_id]
+        for child in parent.children:
+            if self._by_child.get(child) is parent:
+                del self._by_child[child]
