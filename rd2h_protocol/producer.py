@@ -1,0 +1,1067 @@
+"""The Prefill side of RD2H as a sans-IO endpoint.
+
+Theory of operation
+-------------------
+One :class:`ProducerEndpoint` serves one Prefill TP rank. The runtime feeds it events
+(a request arrived, a chunk was scheduled, a layer's KV is written, a frame arrived, a
+deadline passed) together with ``now`` (monotonic seconds) and executes the outputs it
+returns, in order: :class:`Connect` a DEALER, :class:`Send` a message, report a
+:class:`RequestFinished`, wake the compute path on :class:`GateOpened`. Nothing here
+reads a clock, opens a socket or sleeps.
+
+The rules that change state are the tables in :mod:`rd2h_protocol.producer_machines`
+(storage-slot gates, layer publications, requests, connection handshakes); this module
+resolves their guards and performs their effects. The two properties it protects:
+
+* buffer reuse (S1): the runtime asks :meth:`ProducerEndpoint.can_overwrite` before a
+  layer's storage is written; it is True only while every publication against that
+  storage has ended (a terminal reply, a local release, or an expired lease whose ABORT
+  went out first). :meth:`ProducerEndpoint.layer_written` refuses to publish into a
+  storage that is not open;
+* bounded state (B1): a request is forgotten the moment it is finished, and it is
+  finished only when no publication that named it is outstanding.
+
+Step protocol, per engine step: ``schedule_chunk`` for every request with blocks in the
+step, then ``layer_written`` for each cache-bearing layer (each at most once), then
+``end_step``. Replies, aborts and timers may arrive at any time.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Final, Literal, TypeAlias
+
+from rd2h_protocol._machine import NO_EFFECT
+from rd2h_protocol.codec import decode
+from rd2h_protocol.errors import (
+    ConfigError,
+    ErrorCode,
+    LocalProtocolError,
+    RemoteProtocolError,
+    TopologyError,
+    TransferError,
+)
+from rd2h_protocol.layout import LayerLayout, assign_storage_slots, encode_layer_metadata
+from rd2h_protocol.messages import (
+    ALL_CAPABILITIES,
+    CAP_ABORT,
+    CAP_LEASE,
+    CAP_RECONNECT,
+    CAP_SEQ,
+    PROTOCOL_VERSION,
+    Abort,
+    Ack,
+    FailedRequest,
+    Message,
+    MfMeta,
+    ReadDone,
+    ReadFailed,
+    ReadReadyBatch,
+    ReadReq,
+)
+from rd2h_protocol.producer_machines import (
+    C_LOCAL_PUBLISH,
+    C_RECV_ACK_REFUSED,
+    C_RECV_ACK_V1,
+    C_RECV_ACK_V2,
+    C_RECV_UNKNOWN_SESSION,
+    C_TIMER_HANDSHAKE_EXPIRED,
+    CONN_HANDSHAKING,
+    CONN_IDLE,
+    CONN_READY_V2,
+    CONNECTION_HANDSHAKE,
+    EFFECT_COUNT_DUPLICATE,
+    EFFECT_COUNT_STALE,
+    EFFECT_DONE,
+    EFFECT_EXPIRE_ABORT,
+    EFFECT_FAIL,
+    EFFECT_FAIL_QUEUED,
+    EFFECT_FINISH,
+    EFFECT_FLUSH,
+    EFFECT_IGNORE,
+    EFFECT_RELEASE,
+    EFFECT_REOPEN,
+    EFFECT_REQUEUE,
+    EFFECT_SEND,
+    EFFECT_SEND_ABORT,
+    EFFECT_SEND_META,
+    G_LOCAL_ABORT_SENT,
+    G_LOCAL_LAST_RELEASE,
+    G_LOCAL_PUBLISH,
+    G_LOCAL_RELEASE,
+    G_RECV_LAST_REPLY,
+    G_RECV_REPLY,
+    G_TIMER_LEASE_EXPIRED,
+    GATE_OPEN,
+    LAYER_PUBLICATION,
+    P_LOCAL_RELEASE,
+    P_RECV_DONE,
+    P_RECV_FAILED,
+    P_RECV_UNKNOWN_SESSION,
+    P_SEND_READINESS,
+    P_TIMER_LEASE_EXPIRED,
+    PREFILL_REQUEST,
+    PRODUCER_MACHINES,
+    PUB_QUEUED,
+    PUB_REQUEUED,
+    R_LOCAL_ABORT,
+    R_LOCAL_CHUNK,
+    R_LOCAL_DRAINED,
+    R_LOCAL_FAILURE,
+    R_LOCAL_FINAL_CHUNK,
+    R_RECV_ABORT,
+    R_RECV_FAILURE,
+    R_SEND_DONE,
+    REQ_ABORTING,
+    REQ_COMPLETE,
+    REQ_FAILING,
+    REQ_FINAL_SCHEDULED,
+    REQ_FINAL_SENT,
+    REQ_PUBLISHING,
+    STORAGE_GATE,
+)
+from rd2h_protocol.topology import Contributor, decode_rank_port, map_prefill_rank
+
+__all__ = [
+    "PRODUCER_MACHINES",
+    "Connect",
+    "DecodeTarget",
+    "GateOpened",
+    "Output",
+    "ProducerConfig",
+    "ProducerEndpoint",
+    "ProducerStats",
+    "PublicationView",
+    "RequestFinished",
+    "Send",
+]
+
+ReadFailurePolicy: TypeAlias = Literal["isolate", "raise"]
+ProtocolChoice: TypeAlias = Literal["v2", "v1"]
+
+_MAX_LEASE_MS: Final = (1 << 32) - 1  # lease_ms is a uint32 on the wire
+# Requests that may still be mentioned by a message we send (not yet drained).
+_DRAINABLE: Final = frozenset({REQ_FINAL_SENT, REQ_FAILING, REQ_ABORTING})
+_STILL_READ: Final = frozenset({*REQ_PUBLISHING, REQ_FINAL_SENT})
+
+
+# -- configuration and outputs -------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ProducerConfig:
+    """Configuration of one Prefill TP rank.
+
+    ``layers`` lists the cache-bearing layers in order (position = ``layer_idx`` on the
+    wire; the last one carries the done ids). ``lease_ms`` bounds how long a publication
+    may hold its storage without a reply. ``read_failure_policy`` "isolate" reports a
+    failed read through :class:`RequestFinished` only; "raise" also makes the next
+    :meth:`ProducerEndpoint.can_overwrite` of the affected storage raise (v1 behaviour).
+    ``protocol`` "v1" speaks v1 to every peer (interop tests). ``history`` is how many
+    ended publications per connection are remembered to tell duplicate from stale replies.
+    """
+
+    p_rank: int
+    p_tp: int
+    session: str
+    layers: Sequence[tuple[str, LayerLayout]]
+    lease_ms: int = 30_000
+    read_failure_policy: ReadFailurePolicy = "isolate"
+    protocol: ProtocolChoice = "v2"
+    compat: str = ""
+    handshake_timeout_s: float = 10.0
+    history: int = 1024
+
+    def __post_init__(self) -> None:
+        if not self.layers:
+            raise ConfigError("layers: expected at least one cache-bearing layer, got none")
+        names = [name for name, _ in self.layers]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"layers: layer names must be unique, got {names}")
+        if not 0 < self.lease_ms <= _MAX_LEASE_MS:
+            raise ConfigError(f"lease_ms: expected 1..{_MAX_LEASE_MS}, got {self.lease_ms}")
+        if self.read_failure_policy not in ("isolate", "raise"):
+            raise ConfigError(
+                f"read_failure_policy: expected 'isolate' or 'raise', "
+                f"got {self.read_failure_policy!r}"
+            )
+        if self.protocol not in ("v2", "v1"):
+            raise ConfigError(f"protocol: expected 'v2' or 'v1', got {self.protocol!r}")
+        if not self.handshake_timeout_s > 0:
+            raise ConfigError(f"handshake_timeout_s: expected > 0, got {self.handshake_timeout_s}")
+        if self.history < 0:
+            raise ConfigError(f"history: expected >= 0, got {self.history}")
+        # Fail on a bad rank now, not at the first request.
+        map_prefill_rank(self.p_rank, self.p_tp, 1)
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeTarget:
+    """A Decode engine as the rendezvous describes it: host, BASE port and TP size."""
+
+    host: str
+    base_port: int
+    d_tp: int
+
+
+@dataclass(frozen=True, slots=True)
+class Connect:
+    """Open the control connection ``conn`` (a DEALER to ``host:port``) before using it."""
+
+    conn: str
+    host: str
+    port: int
+
+
+@dataclass(frozen=True, slots=True)
+class Send:
+    """Send ``msg`` on connection ``conn`` (encode it with :func:`rd2h_protocol.encode`)."""
+
+    conn: str
+    msg: Message
+
+
+@dataclass(frozen=True, slots=True)
+class RequestFinished:
+    """No Decode read of the request can happen any more: its source blocks may be freed.
+
+    ``ok`` is True when every layer of every chunk was read (``code`` None); otherwise
+    ``code`` and ``message`` give the first reason it stopped.
+    """
+
+    ext_req_id: str
+    ok: bool
+    code: ErrorCode | None
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class GateOpened:
+    """Storage slot ``slot`` may be overwritten again (wake the compute path)."""
+
+    slot: int
+
+
+Output: TypeAlias = Connect | Send | RequestFinished | GateOpened
+
+
+@dataclass(slots=True)
+class ProducerStats:
+    """Counters for metrics. Peer input that changes nothing is counted here."""
+
+    publications: int = 0
+    replies: int = 0
+    stale_replies: int = 0
+    duplicate_replies: int = 0
+    unknown_replies: int = 0
+    malformed_frames: int = 0
+    unexpected_messages: int = 0
+    dropped: int = 0
+    read_failures: int = 0
+    isolated_failures: int = 0
+    expired_leases: int = 0
+    aborts_sent: int = 0
+    aborts_received: int = 0
+    handshakes: int = 0
+    handshake_timeouts: int = 0
+    handshakes_refused: int = 0
+    replays: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class PublicationView:
+    """A live publication, for invariant checks."""
+
+    conn: str
+    layer_idx: int
+    state: str
+    seq: int | None
+    slots: tuple[int, ...]
+    ext_ids: tuple[str, ...]
+    deadline: float
+
+
+# -- internal records ----------------------------------------------------------------------
+
+
+@dataclass(slots=True, eq=False)
+class _Gate:
+    state: str = GATE_OPEN
+    outstanding: int = 0
+
+
+@dataclass(slots=True, eq=False)
+class _Conn:
+    name: str
+    host: str
+    port: int
+    d_tp: int
+    contributor: Contributor
+    state: str = CONN_IDLE
+    connected: bool = False
+    caps: frozenset[str] = frozenset()
+    next_seq: int = 0
+    sent: dict[int, _Pub] = field(default_factory=dict)  # seq -> publication, send order
+    queue: list[_Pub] = field(default_factory=list)  # waiting for the handshake
+    pending_aborts: list[str] = field(default_factory=list)  # waiting for the handshake
+    history: OrderedDict[int, tuple[int, str]] = field(default_factory=OrderedDict)
+    handshake_token: int = -1
+
+
+@dataclass(slots=True, eq=False)
+class _Request:
+    ext_id: str
+    conn: _Conn
+    state: str
+    outstanding: int = 0  # live publications that name this request
+    chunk: ReadReq | None = None  # this step's blocks
+    aborted_toward_peer: bool = False
+    code: ErrorCode = ErrorCode.UNKNOWN
+    message: str = ""
+
+
+@dataclass(slots=True, eq=False)
+class _Pub:
+    uid: int
+    conn: _Conn
+    layer_idx: int
+    slots: tuple[int, ...]
+    read_reqs: list[ReadReq]
+    done_ids: list[str]
+    requests: tuple[_Request, ...]
+    deadline: float
+    state: str = PUB_QUEUED
+    seq: int | None = None  # key in conn.sent while on the wire
+
+
+# -- the endpoint --------------------------------------------------------------------------
+
+
+class ProducerEndpoint:
+    """Sans-IO Prefill endpoint for one TP rank (see the module docstring)."""
+
+    def __init__(self, config: ProducerConfig) -> None:
+        self.config = config
+        self.stats = ProducerStats()
+        self._layer_names = [name for name, _ in config.layers]
+        layouts = [layout for _, layout in config.layers]
+        self._layer_slots: list[tuple[int, ...]] = [
+            (main,) if idx is None else (main, idx) for main, idx in assign_storage_slots(layouts)
+        ]
+        self._gates: dict[int, _Gate] = {
+            slot: _Gate() for slots in self._layer_slots for slot in slots
+        }
+        self._last_layer = len(config.layers) - 1
+        self._lease_s = config.lease_ms / 1000.0
+        self._v1_only = config.protocol == "v1"
+        blob = encode_layer_metadata(dict(config.layers))
+        if self._v1_only:
+            self._meta = MfMeta(p_session=config.session, encoded_layer_metadata=blob)
+        else:
+            self._meta = MfMeta(
+                p_session=config.session,
+                encoded_layer_metadata=blob,
+                protocol_version=PROTOCOL_VERSION,
+                capabilities=list(ALL_CAPABILITIES),
+                compat=config.compat or None,
+            )
+        self._conns: dict[str, _Conn] = {}
+        self._requests: dict[str, _Request] = {}
+        self._pubs: dict[int, _Pub] = {}  # live publications by uid
+        self._handshakes: dict[int, _Conn] = {}  # running handshakes by token
+        self._timers: list[tuple[float, int]] = []  # (deadline, uid or token), lazy heap
+        self._next_uid = 0
+        self._pending_raise: dict[int, str] = {}  # slot -> failure to raise ("raise" policy)
+        # The current step.
+        self._step: dict[str, dict[str, _Request]] = {}  # conn -> ext id -> request
+        self._step_count = 0  # chunks scheduled and not yet finished
+        self._step_layers = 0  # layers written
+        self._step_top = -1  # the highest layer written
+
+    # -- caller inputs ---------------------------------------------------------------------
+
+    def add_request(self, ext_req_id: str, target: DecodeTarget, now: float) -> list[Output]:
+        """Register a request to publish to ``target``.
+
+        The Decode rank and this rank's contributor identity come from the target's own
+        TP size. Raises :class:`TopologyError` for a topology or port the rules refuse,
+        :class:`LocalProtocolError` for an id already registered.
+        """
+        del now  # registration starts no deadline
+        if ext_req_id in self._requests:
+            raise LocalProtocolError(f"request {ext_req_id!r} is already registered")
+        conn = self._conn_for(target)
+        self._requests[ext_req_id] = _Request(ext_req_id, conn, PREFILL_REQUEST.initial)
+        return []
+
+    def schedule_chunk(
+        self,
+        ext_req_id: str,
+        main_block_ids: Sequence[int],
+        indexer_block_ids: Sequence[int],
+        main_start_block: int,
+        indexer_start_block: int,
+        final: bool,
+    ) -> list[Output]:
+        """Schedule the request's blocks of the current step (before its first layer).
+
+        ``*_start_block`` are the LOGICAL offsets of these blocks in Decode's destination
+        list. ``final`` marks the last chunk: its done id goes out with the last layer.
+        A chunk for a request that is already failing or aborting is ignored.
+        """
+        req = self._requests.get(ext_req_id)
+        if req is None:
+            raise LocalProtocolError(f"request {ext_req_id!r} is not registered")
+        if self._step_layers:
+            raise LocalProtocolError(
+                f"request {ext_req_id!r}: chunks must be scheduled before the step's first "
+                f"layer_written ({self._step_layers} layers are written already)"
+            )
+        if ext_req_id in self._step.get(req.conn.name, ()):
+            raise LocalProtocolError(f"request {ext_req_id!r} is scheduled twice in one step")
+        if main_start_block < 0 or indexer_start_block < 0:
+            raise LocalProtocolError(
+                f"request {ext_req_id!r}: start blocks must be >= 0, got "
+                f"main {main_start_block}, indexer {indexer_start_block}"
+            )
+        main = list(main_block_ids)
+        indexer = list(indexer_block_ids)
+        if (main and min(main) < 0) or (indexer and min(indexer) < 0):
+            raise LocalProtocolError(f"request {ext_req_id!r}: block ids must be >= 0")
+        event = R_LOCAL_FINAL_CHUNK if final else R_LOCAL_CHUNK
+        effect, req.state = PREFILL_REQUEST.step(req.state, event)
+        if effect == EFFECT_IGNORE:
+            return []
+        if main or indexer:
+            req.chunk = ReadReq(ext_req_id, main, indexer, main_start_block, indexer_start_block)
+        self._step.setdefault(req.conn.name, {})[ext_req_id] = req
+        self._step_count += 1
+        return []
+
+    def can_overwrite(self, layer_idx: int) -> bool:
+        """Whether the storage layer ``layer_idx`` writes is free (all its gates open).
+
+        Under policy "raise", a read failure recorded against that storage raises
+        :class:`TransferError` here, once.
+        """
+        slots = self._slots_of(layer_idx)
+        if self._pending_raise:
+            failures = [self._pending_raise.pop(s) for s in slots if s in self._pending_raise]
+            if failures:
+                raise TransferError(f"layer {layer_idx}: " + "; ".join(failures))
+        gates = self._gates
+        return all(gates[s].state == GATE_OPEN for s in slots)
+
+    def layer_written(self, layer_idx: int, now: float) -> list[Output]:
+        """Layer ``layer_idx`` of the current step is in storage: publish it.
+
+        One readiness per Decode endpoint with something in the step (its contributor
+        identity from that endpoint's TP size; done ids on the last layer), each leased
+        until ``now + lease``; the layer's gates close until every one has ended.
+        Raises :class:`LocalProtocolError` if the storage is still in use (the runtime
+        must wait for :meth:`can_overwrite`) or the layer was written twice this step.
+        """
+        slots = self._slots_of(layer_idx)
+        if layer_idx <= self._step_top:
+            raise LocalProtocolError(
+                f"layer {layer_idx} written after layer {self._step_top} in the same step; "
+                "layers are written once each, in increasing order"
+            )
+        busy = [s for s in slots if self._gates[s].state != GATE_OPEN]
+        if busy:
+            raise LocalProtocolError(
+                f"layer {layer_idx} was written while its storage slots {busy} are still "
+                f"being read; wait for can_overwrite({layer_idx})"
+            )
+        self._step_layers += 1
+        self._step_top = layer_idx
+        for s in slots:
+            self._pending_raise.pop(s, None)  # that storage holds new data now
+        out: list[Output] = []
+        last = layer_idx == self._last_layer
+        deadline = now + self._lease_s
+        for reqs in list(self._step.values()):
+            read_reqs: list[ReadReq] = []
+            done: list[str] = []
+            named: list[_Request] = []
+            for req in reqs.values():
+                state = req.state
+                if state not in REQ_PUBLISHING:
+                    continue  # failing or aborting: stop publishing it
+                chunk = req.chunk
+                if chunk is not None:
+                    read_reqs.append(chunk)
+                if last and state == REQ_FINAL_SCHEDULED:
+                    done.append(req.ext_id)
+                    _, req.state = PREFILL_REQUEST.step(state, R_SEND_DONE)
+                elif chunk is None:
+                    continue
+                named.append(req)
+            if named:
+                pub = self._publish(layer_idx, slots, read_reqs, done, named, deadline)
+                self._conn_publish(pub, now, out)
+        return out
+
+    def end_step(self, now: float) -> list[Output]:
+        """The step is over. Requests whose chunk missed a layer fail (their data is
+        incomplete on Decode); the step's chunks are forgotten."""
+        del now  # ending a step starts no deadline
+        out: list[Output] = []
+        missing = len(self._layer_names) - self._step_layers
+        for reqs in list(self._step.values()):
+            for req in list(reqs.values()):
+                req.chunk = None
+                if missing and req.state in _STILL_READ:
+                    self._fail(
+                        req,
+                        R_LOCAL_FAILURE,
+                        ErrorCode.UNKNOWN,
+                        f"the step ended with {missing} of {len(self._layer_names)} layers "
+                        "not written",
+                    )
+                    self._maybe_drain(req, out)
+        self._step.clear()
+        self._step_count = 0
+        self._step_layers = 0
+        self._step_top = -1
+        return out
+
+    def abort(self, ext_ids: Iterable[str], now: float) -> list[Output]:
+        """Stop publishing these requests and tell their v2 Decode endpoints.
+
+        Unknown (or already finished) ids are ignored. Each request finishes (aborted)
+        once the publications already out for it have ended.
+        """
+        del now
+        out: list[Output] = []
+        by_conn: dict[str, list[str]] = {}
+        touched: list[_Request] = []
+        for ext_id in ext_ids:
+            req = self._requests.get(ext_id)
+            if req is None:
+                continue
+            effect, req.state = PREFILL_REQUEST.step(req.state, R_LOCAL_ABORT)
+            if effect == EFFECT_SEND_ABORT:
+                req.code, req.message = ErrorCode.ABORTED, "aborted by Prefill"
+                if not req.aborted_toward_peer:
+                    by_conn.setdefault(req.conn.name, []).append(ext_id)
+            touched.append(req)
+        for name, ids in by_conn.items():
+            self._send_abort(self._conns[name], ids, "aborted by Prefill", out)
+        for req in touched:
+            self._maybe_drain(req, out)
+        return out
+
+    # -- peer input ------------------------------------------------------------------------
+
+    def receive(self, conn: str, msg: Message | bytes, now: float) -> list[Output]:
+        """Handle one frame (or decoded message) from Decode endpoint ``conn``.
+
+        Never raises for peer input: malformed, unexpected, unknown, stale and duplicate
+        input is counted in :attr:`stats` and changes nothing.
+        """
+        if isinstance(msg, bytes | bytearray | memoryview):
+            try:
+                msg = decode(msg)
+            except RemoteProtocolError:
+                self.stats.malformed_frames += 1
+                return []
+        c = self._conns.get(conn)
+        if c is None:
+            self.stats.unexpected_messages += 1
+            return []
+        out: list[Output] = []
+        try:
+            if isinstance(msg, ReadDone):
+                self._on_reply(c, msg.layer_idx, msg.seq, P_RECV_DONE, now, out, msg.failed)
+            elif isinstance(msg, ReadFailed):
+                self._on_read_failed(c, msg, now, out)
+            elif isinstance(msg, Ack):
+                self._on_ack(c, msg, now, out)
+            elif isinstance(msg, Abort):
+                self._on_abort(c, msg, out)
+            else:
+                self.stats.unexpected_messages += 1
+        except RemoteProtocolError:
+            self.stats.dropped += 1
+        return out
+
+    # -- time ------------------------------------------------------------------------------
+
+    def get_timer(self) -> float | None:
+        """The earliest deadline (lease or handshake), or None when nothing is pending."""
+        timers = self._timers
+        while timers:
+            _, uid = timers[0]
+            if uid in self._pubs or uid in self._handshakes:
+                return timers[0][0]
+            heapq.heappop(timers)
+        return None
+
+    def handle_timer(self, now: float) -> list[Output]:
+        """Handle every deadline at or before ``now``.
+
+        An expired lease sends ABORT for the publication's requests to a v2 peer (a v1
+        peer cannot be told), THEN reopens the gates, then fails the requests. An expired
+        handshake releases the readiness queued on that connection.
+        """
+        out: list[Output] = []
+        timers = self._timers
+        while timers and timers[0][0] <= now:
+            _, uid = heapq.heappop(timers)
+            pub = self._pubs.get(uid)
+            if pub is not None:
+                self._expire(pub, out)
+                continue
+            conn = self._handshakes.pop(uid, None)
+            if conn is not None:
+                self.stats.handshake_timeouts += 1
+                effect, conn.state = CONNECTION_HANDSHAKE.step(
+                    conn.state, C_TIMER_HANDSHAKE_EXPIRED
+                )
+                assert effect == EFFECT_FAIL_QUEUED
+                self._fail_queued(
+                    conn,
+                    ErrorCode.TIMEOUT,
+                    f"handshake with {conn.name} timed out after "
+                    f"{self.config.handshake_timeout_s} s",
+                    out,
+                )
+        return out
+
+    # -- views for invariant checks --------------------------------------------------------
+
+    def gates(self) -> dict[int, tuple[str, int]]:
+        """``{slot: (state, outstanding publications)}``."""
+        return {slot: (g.state, g.outstanding) for slot, g in self._gates.items()}
+
+    def layer_slots(self, layer_idx: int) -> tuple[int, ...]:
+        """The storage slots layer ``layer_idx`` writes (main, then indexer if any)."""
+        return self._slots_of(layer_idx)
+
+    def requests(self) -> dict[str, str]:
+        """``{ext_id: state}`` of every request not yet finished."""
+        return {ext_id: req.state for ext_id, req in self._requests.items()}
+
+    def publications(self) -> dict[int, PublicationView]:
+        """Every live (not yet ended) publication."""
+        return {
+            uid: PublicationView(
+                pub.conn.name,
+                pub.layer_idx,
+                pub.state,
+                pub.seq,
+                pub.slots,
+                tuple(r.ext_id for r in pub.requests),
+                pub.deadline,
+            )
+            for uid, pub in self._pubs.items()
+        }
+
+    def connections(self) -> dict[str, str]:
+        """``{conn: handshake state}``."""
+        return {name: c.state for name, c in self._conns.items()}
+
+    def is_idle(self) -> bool:
+        """True when no per-request state is left (no request, publication or chunk)."""
+        return not self._requests and not self._pubs and not self._step_count
+
+    # -- internals: requests and connections -----------------------------------------------
+
+    def _slots_of(self, layer_idx: int) -> tuple[int, ...]:
+        if not 0 <= layer_idx <= self._last_layer:
+            raise LocalProtocolError(f"layer index {layer_idx} is outside [0, {self._last_layer}]")
+        return self._layer_slots[layer_idx]
+
+    def _conn_for(self, target: DecodeTarget) -> _Conn:
+        contributor = map_prefill_rank(self.config.p_rank, self.config.p_tp, target.d_tp)
+        port = decode_rank_port(target.base_port, contributor.d_rank, target.d_tp)
+        name = f"{target.host}:{port}"
+        conn = self._conns.get(name)
+        if conn is None:
+            conn = _Conn(name, target.host, port, target.d_tp, contributor)
+            self._conns[name] = conn
+        elif conn.d_tp != target.d_tp:
+            raise TopologyError(
+                f"Decode endpoint {name} was announced with TP size {conn.d_tp}, "
+                f"now with {target.d_tp}"
+            )
+        return conn
+
+    def _fail(self, req: _Request, event: str, code: ErrorCode, message: str) -> None:
+        effect, req.state = PREFILL_REQUEST.step(req.state, event)
+        if effect != NO_EFFECT:  # the first reason to stop is the one reported
+            req.code, req.message = code, message
+
+    def _maybe_drain(self, req: _Request, out: list[Output]) -> None:
+        if req.outstanding or req.state not in _DRAINABLE:
+            return
+        effect, req.state = PREFILL_REQUEST.step(req.state, R_LOCAL_DRAINED)
+        assert effect == EFFECT_FINISH
+        ok = req.state == REQ_COMPLETE
+        del self._requests[req.ext_id]
+        step = self._step.get(req.conn.name)
+        if step is not None and step.pop(req.ext_id, None) is not None:
+            self._step_count -= 1
+        if ok:
+            out.append(RequestFinished(req.ext_id, True, None, ""))
+        else:
+            out.append(RequestFinished(req.ext_id, False, req.code, req.message))
+
+    def _send_abort(self, conn: _Conn, ext_ids: list[str], reason: str, out: list[Output]) -> None:
+        """ABORT toward a v2 peer that understands it (queued while it re-handshakes)."""
+        if CAP_ABORT not in conn.caps:
+            return  # a v1 peer (or one that never answered) cannot be told
+        for ext_id in ext_ids:
+            req = self._requests.get(ext_id)
+            if req is not None:
+                req.aborted_toward_peer = True
+        if conn.state == CONN_READY_V2:
+            out.append(Send(conn.name, Abort(ext_ids=list(ext_ids), reason=reason)))
+            self.stats.aborts_sent += 1
+        else:
+            conn.pending_aborts.extend(ext_ids)
+
+    def _start_handshake(self, conn: _Conn, now: float, out: list[Output]) -> None:
+        if not conn.connected:
+            conn.connected = True
+            out.append(Connect(conn.name, conn.host, conn.port))
+        out.append(Send(conn.name, self._meta))
+        self.stats.handshakes += 1
+        token = self._uid()
+        conn.handshake_token = token
+        self._handshakes[token] = conn
+        heapq.heappush(self._timers, (now + self.config.handshake_timeout_s, token))
+
+    def _end_handshake(self, conn: _Conn) -> None:
+        self._handshakes.pop(conn.handshake_token, None)
+
+    def _on_ack(self, conn: _Conn, ack: Ack, now: float, out: list[Output]) -> None:
+        if not ack.is_v1 and ack.error_code:
+            event = C_RECV_ACK_REFUSED
+        elif ack.is_v1 or self._v1_only:
+            event = C_RECV_ACK_V1
+        else:
+            event = C_RECV_ACK_V2
+        effect, conn.state = CONNECTION_HANDSHAKE.step(conn.state, event, RemoteProtocolError)
+        self._end_handshake(conn)
+        if effect == EFFECT_FAIL_QUEUED:
+            self.stats.handshakes_refused += 1
+            conn.caps = frozenset()
+            self._fail_queued(
+                conn,
+                ErrorCode.INCOMPATIBLE,
+                f"Decode endpoint {conn.name} refused the handshake "
+                f"(code {ack.error_code}): {ack.error or 'no reason given'}",
+                out,
+            )
+            return
+        assert effect == EFFECT_FLUSH
+        if event == C_RECV_ACK_V2:
+            conn.caps = frozenset(ack.capabilities or ()) & frozenset(ALL_CAPABILITIES)
+        else:
+            conn.caps = frozenset()
+        queue, conn.queue = conn.queue, []
+        for pub in queue:
+            self._send(pub, now, out)
+        aborts, conn.pending_aborts = conn.pending_aborts, []
+        if aborts and conn.state == CONN_READY_V2 and CAP_ABORT in conn.caps:
+            out.append(Send(conn.name, Abort(ext_ids=aborts, reason="aborted by Prefill")))
+            self.stats.aborts_sent += 1
+
+    def _fail_queued(self, conn: _Conn, code: ErrorCode, message: str, out: list[Output]) -> None:
+        """Release the readiness that never left: nothing can read it, the gates reopen."""
+        queue, conn.queue = conn.queue, []
+        conn.pending_aborts = []
+        for pub in queue:
+            effect, pub.state = LAYER_PUBLICATION.step(pub.state, P_LOCAL_RELEASE)
+            assert effect == EFFECT_RELEASE
+            self._fail_requests(pub, R_LOCAL_FAILURE, code, message, {})
+            self._end_pub(pub, out, G_LOCAL_RELEASE, G_LOCAL_LAST_RELEASE)
+
+    def _on_abort(self, conn: _Conn, msg: Abort, out: list[Output]) -> None:
+        self.stats.aborts_received += 1
+        for ext_id in msg.ext_ids:
+            req = self._requests.get(ext_id)
+            if req is None or req.conn is not conn:
+                continue  # finished already, or not this peer's request to abort
+            effect, req.state = PREFILL_REQUEST.step(req.state, R_RECV_ABORT, RemoteProtocolError)
+            if effect != NO_EFFECT:
+                req.code = ErrorCode.ABORTED
+                req.message = f"aborted by Decode {conn.name}: {msg.reason}"
+            self._maybe_drain(req, out)
+
+    # -- internals: publications -----------------------------------------------------------
+
+    def _uid(self) -> int:
+        uid = self._next_uid
+        self._next_uid += 1
+        return uid
+
+    def _publish(
+        self,
+        layer_idx: int,
+        slots: tuple[int, ...],
+        read_reqs: list[ReadReq],
+        done: list[str],
+        named: list[_Request],
+        deadline: float,
+    ) -> _Pub:
+        uid = self._uid()
+        pub = _Pub(uid, named[0].conn, layer_idx, slots, read_reqs, done, tuple(named), deadline)
+        self._pubs[uid] = pub
+        for req in named:
+            req.outstanding += 1
+        for s in slots:
+            gate = self._gates[s]
+            _, gate.state = STORAGE_GATE.step(gate.state, G_LOCAL_PUBLISH)
+            gate.outstanding += 1
+        heapq.heappush(self._timers, (deadline, uid))
+        self.stats.publications += 1
+        return pub
+
+    def _conn_publish(self, pub: _Pub, now: float, out: list[Output]) -> None:
+        conn = pub.conn
+        effect, conn.state = CONNECTION_HANDSHAKE.step(conn.state, C_LOCAL_PUBLISH)
+        if effect == EFFECT_SEND:
+            self._send(pub, now, out)
+        elif effect == EFFECT_RELEASE:
+            conn.queue.append(pub)
+            self._fail_queued(
+                conn,
+                ErrorCode.INCOMPATIBLE,
+                f"Decode endpoint {conn.name} refused our handshake",
+                out,
+            )
+        else:
+            if effect == EFFECT_SEND_META:
+                self._start_handshake(conn, now, out)
+            conn.queue.append(pub)
+
+    def _send(self, pub: _Pub, now: float, out: list[Output]) -> None:
+        """Put a publication on the wire (first time or replay) with a fresh seq."""
+        if pub.state == PUB_REQUEUED:
+            self.stats.replays += 1
+        _, pub.state = LAYER_PUBLICATION.step(pub.state, P_SEND_READINESS)
+        conn = pub.conn
+        seq = conn.next_seq
+        conn.next_seq += 1
+        pub.seq = seq
+        conn.sent[seq] = pub
+        caps = conn.caps
+        read_reqs = pub.read_reqs
+        done = pub.done_ids
+        if any(r.state not in _STILL_READ for r in pub.requests):
+            # Some stopped while this waited for the handshake: do not publish them.
+            live = {r.ext_id for r in pub.requests if r.state in _STILL_READ}
+            read_reqs = [r for r in read_reqs if r.ext_req_id in live]
+            done = [d for d in done if d in live]
+        contributor = conn.contributor
+        msg = ReadReadyBatch(
+            layer_idx=pub.layer_idx,
+            layer_name=self._layer_names[pub.layer_idx],
+            read_reqs=read_reqs,
+            done_ext_ids=done,
+            group_member_idx=contributor.group_member_idx,
+            tp_ratio=contributor.tp_ratio,
+            seq=seq if CAP_SEQ in caps else None,
+            lease_ms=max(0, int((pub.deadline - now) * 1000)) if CAP_LEASE in caps else None,
+        )
+        out.append(Send(conn.name, msg))
+
+    def _forget_seq(self, pub: _Pub) -> None:
+        """Move a publication's seq from the wire map into the bounded history."""
+        seq = pub.seq
+        if seq is None:
+            return
+        conn = pub.conn
+        del conn.sent[seq]
+        pub.seq = None
+        limit = self.config.history
+        if limit:
+            history = conn.history
+            history[seq] = (pub.layer_idx, pub.state)
+            if len(history) > limit:
+                history.popitem(last=False)
+
+    def _find(self, conn: _Conn, layer_idx: int, seq: int | None) -> _Pub | str | None:
+        """The live publication a reply answers, else the state it ended in, else None."""
+        if seq is not None and CAP_SEQ in conn.caps:
+            pub = conn.sent.get(seq)
+            if pub is not None:
+                return pub if pub.layer_idx == layer_idx else None
+            ended = conn.history.get(seq)
+            return ended[1] if ended is not None and ended[0] == layer_idx else None
+        # No seq (v1 peer): the oldest publication of that layer on this connection.
+        for pub in conn.sent.values():
+            if pub.layer_idx == layer_idx:
+                return pub
+        for ended_layer, state in reversed(conn.history.values()):
+            if ended_layer == layer_idx:
+                return state
+        return None
+
+    def _on_read_failed(self, conn: _Conn, msg: ReadFailed, now: float, out: list[Output]) -> None:
+        if (
+            msg.code == ErrorCode.UNKNOWN_SESSION
+            and CAP_RECONNECT in conn.caps
+            and conn.state in (CONN_READY_V2, CONN_HANDSHAKING)
+        ):
+            event = P_RECV_UNKNOWN_SESSION
+        else:
+            event = P_RECV_FAILED
+        self._on_reply(conn, msg.layer_idx, msg.seq, event, now, out, None, msg)
+
+    def _on_reply(
+        self,
+        conn: _Conn,
+        layer_idx: int,
+        seq: int | None,
+        event: str,
+        now: float,
+        out: list[Output],
+        failed: list[FailedRequest] | None = None,
+        read_failed: ReadFailed | None = None,
+    ) -> None:
+        found = self._find(conn, layer_idx, seq)
+        if found is None:
+            self.stats.unknown_replies += 1
+            return
+        if isinstance(found, str):
+            effect, _ = LAYER_PUBLICATION.step(found, event, RemoteProtocolError)
+            if effect == EFFECT_COUNT_DUPLICATE:
+                self.stats.duplicate_replies += 1
+            else:
+                assert effect == EFFECT_COUNT_STALE
+                self.stats.stale_replies += 1
+            return
+        pub = found
+        effect, pub.state = LAYER_PUBLICATION.step(pub.state, event, RemoteProtocolError)
+        self.stats.replies += 1
+        if effect == EFFECT_REQUEUE:
+            self._forget_seq(pub)
+            c_effect, conn.state = CONNECTION_HANDSHAKE.step(conn.state, C_RECV_UNKNOWN_SESSION)
+            if c_effect == EFFECT_SEND_META:
+                self._start_handshake(conn, now, out)
+            conn.queue.append(pub)
+            return
+        if effect == EFFECT_DONE:
+            isolated = {f.ext_req_id: f for f in failed} if failed else {}
+            if isolated:
+                self.stats.isolated_failures += len(isolated)
+            self._fail_requests(pub, R_RECV_FAILURE, ErrorCode.UNKNOWN, "", isolated)
+        else:
+            assert effect == EFFECT_FAIL and read_failed is not None
+            self.stats.read_failures += 1
+            code = _error_code(read_failed.code, ErrorCode.TRANSFER_FAILED)
+            message = read_failed.error or f"read failed ({code.name})"
+            self._fail_requests(
+                pub,
+                R_RECV_FAILURE,
+                code,
+                f"layer {pub.layer_idx} read by {conn.name} failed: {message}",
+                {},
+            )
+            if event == P_RECV_UNKNOWN_SESSION:
+                # The replay met an unknown session too: hand-shake again for later layers.
+                c_effect, conn.state = CONNECTION_HANDSHAKE.step(conn.state, C_RECV_UNKNOWN_SESSION)
+                if c_effect == EFFECT_SEND_META:
+                    self._start_handshake(conn, now, out)
+        self._end_pub(pub, out, G_RECV_REPLY, G_RECV_LAST_REPLY)
+
+    def _fail_requests(
+        self,
+        pub: _Pub,
+        event: str,
+        code: ErrorCode,
+        message: str,
+        only: dict[str, FailedRequest],
+    ) -> None:
+        """Record a failure on the publication's requests (all of them, or ``only``).
+
+        ``only`` empty and ``message`` empty means nothing failed.
+        """
+        failed_any = False
+        if only:
+            for req in pub.requests:
+                entry = only.get(req.ext_id)
+                if entry is not None:
+                    failed_any = True
+                    self._fail(
+                        req,
+                        event,
+                        _error_code(entry.code, ErrorCode.UNKNOWN),
+                        f"layer {pub.layer_idx}: Decode {pub.conn.name} could not serve it: "
+                        f"{entry.message or _error_code(entry.code, ErrorCode.UNKNOWN).name}",
+                    )
+        elif message:
+            failed_any = True
+            for req in pub.requests:
+                self._fail(req, event, code, message)
+        if failed_any and self.config.read_failure_policy == "raise":
+            reason = message or f"requests failed on {pub.conn.name}"
+            for s in pub.slots:
+                self._pending_raise.setdefault(s, reason)
+
+    def _end_pub(self, pub: _Pub, out: list[Output], one: str, last: str) -> None:
+        """A publication ended: count it off its gates, then off its requests."""
+        self._forget_seq(pub)
+        del self._pubs[pub.uid]
+        for s in pub.slots:
+            gate = self._gates[s]
+            gate.outstanding -= 1
+            event = one if gate.outstanding else last
+            effect, gate.state = STORAGE_GATE.step(gate.state, event)
+            if effect == EFFECT_REOPEN:
+                out.append(GateOpened(s))
+        self._drain_pub(pub, out)
+
+    def _drain_pub(self, pub: _Pub, out: list[Output]) -> None:
+        requests, pub.requests = pub.requests, ()
+        pub.read_reqs, pub.done_ids = [], []
+        for req in requests:
+            req.outstanding -= 1
+            self._maybe_drain(req, out)
+
+    def _expire(self, pub: _Pub, out: list[Output]) -> None:
+        """Lease ran out: ABORT (v2 peer), THEN reopen the gates, then fail the requests."""
+        self.stats.expired_leases += 1
+        effect, pub.state = LAYER_PUBLICATION.step(pub.state, P_TIMER_LEASE_EXPIRED)
+        conn = pub.conn
+        if effect == EFFECT_EXPIRE_ABORT:
+            ids = [r.ext_id for r in pub.requests if not r.aborted_toward_peer]
+            if ids:
+                self._send_abort(conn, ids, f"lease of layer {pub.layer_idx} expired", out)
+        else:
+            # Never on the wire (waiting for a handshake): just take it out of the queue.
+            conn.queue.remove(pub)
+        self._fail_requests(
+            pub,
+            R_LOCAL_FAILURE,
+            ErrorCode.LEASE_EXPIRED,
+            f"layer {pub.layer_idx}: no reply from {conn.name} within {self.config.lease_ms} ms",
+            {},
+        )
+        self._forget_seq(pub)
+        del self._pubs[pub.uid]
+        for s in pub.slots:
+            gate = self._gates[s]
+            gate.outstanding -= 1
+            _, gate.state = STORAGE_GATE.step(gate.state, G_TIMER_LEASE_EXPIRED)
+            if not gate.outstanding:
+                effect, gate.state = STORAGE_GATE.step(gate.state, G_LOCAL_ABORT_SENT)
+                out.append(GateOpened(s))
+        self._drain_pub(pub, out)
+
+
+def _error_code(value: int | None, default: ErrorCode) -> ErrorCode:
+    """A wire code as an :class:`ErrorCode`; unknown numbers (a newer peer) keep ``default``."""
+    if value is None:
+        return default
+    try:
+        return ErrorCode(value)
+    except ValueError:
+        return default
