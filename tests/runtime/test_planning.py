@@ -8,7 +8,9 @@ match it exactly: same descriptors, same order.
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, cast
 
 import numpy as np
@@ -193,6 +195,18 @@ def test_numpy_ids_take_the_same_path_result() -> None:
     assert a.component_counts == b.component_counts
 
 
+def test_mixed_lists_and_arrays_in_one_group() -> None:
+    plan = make_plan(
+        [
+            req([1, 2], ids([10, 11], np.uint16), ids([4], np.int32), [6]),
+            req(range(3, 5), (12, 13), [], ids([], np.int64)),
+            req([20, 22, 23], range(30, 36, 2), range(8, 8), range(0)),
+            req(ids([9]), [0], [5], ids([7], np.uint64)),
+        ]
+    )
+    assert_matches_oracle(plan)
+
+
 def test_big_bases_near_the_top_of_the_address_space() -> None:
     top = (1 << 64) - 4 * 1024
     k = ComponentAddrs("k", src_base=top, dst_base=1 << 63, block_bytes=1024)
@@ -223,6 +237,8 @@ def test_non_positive_block_bytes_is_refused(bad: int) -> None:
         req([1, 2], [1]),  # unequal lengths
         req([-1], [1]),  # negative id
         req([1], [1 << 70]),  # not an int64
+        req([1], range(1 << 63, (1 << 63) + 1)),  # a range past int64
+        req([1.5], [1]),  # type: ignore[list-item]  # not an integer
         req([], [], [1], ids([1.0], np.float64)),  # float array
         req(ids([1 << 63], np.uint64), ids([0])),  # uint64 array past int64
     ],
@@ -320,6 +336,15 @@ def continue_from(
     return out[0], out[1]
 
 
+def forms(seq: Sequence[int]) -> list[Sequence[int]]:
+    """The same ids as list, tuple, int32 array, and range when they are contiguous."""
+    values = list(seq)
+    out: list[Sequence[int]] = [values, tuple(values), ids(values, np.int32)]
+    if values == list(range(values[0] if values else 0, (values[-1] + 1) if values else 0)):
+        out.append(range(values[0], values[-1] + 1) if values else range(0))
+    return out
+
+
 @st.composite
 def components(draw: st.DrawFn, names: Sequence[str]) -> tuple[ComponentAddrs, ...]:
     return tuple(ComponentAddrs(n, draw(_BASE), draw(_BASE), draw(_BLOCK_BYTES)) for n in names)
@@ -339,8 +364,10 @@ def plans(draw: st.DrawFn) -> ReadPlan:
             m, x = continue_from(prev_main, m), continue_from(prev_idx, x)
         prev_main, prev_idx = m, x
         seqs: list[Sequence[int]] = [*m, *x]
-        if as_numpy:
+        if as_numpy:  # the all-numpy fast path
             seqs = [ids(s) for s in seqs]
+        elif draw(st.booleans()):  # every input form build_descriptors takes, mixed
+            seqs = [draw(st.sampled_from(forms(s))) for s in seqs]
         requests.append(RequestRead(f"req-{i}", *seqs))
     return make_plan(requests, main=main, indexer=indexer)
 
@@ -348,3 +375,16 @@ def plans(draw: st.DrawFn) -> ReadPlan:
 @given(plans())
 def test_vectorised_equals_oracle(plan: ReadPlan) -> None:
     assert_matches_oracle(plan)
+
+
+def test_benchmark_runs_and_agrees_with_its_baseline(capsys: pytest.CaptureFixture[str]) -> None:
+    """The benchmark script checks vectorised == baseline itself; run it tiny."""
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_planning.py"
+    spec = importlib.util.spec_from_file_location("bench_planning", path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--requests", "3", "--blocks", "5", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "MISMATCH" not in out
+    assert out.count("x\n") == 4  # four rows, each ending with its ratio
