@@ -55,7 +55,7 @@ def batch(**kw: object) -> ReadReadyBatch:
     return ReadReadyBatch(**fields)  # type: ignore[arg-type]
 
 
-V1_BATCH = (
+V1_BATCH: tuple[object, ...] = (
     b"read_ready_batch",
     3,
     "model.layers.3.self_attn",
