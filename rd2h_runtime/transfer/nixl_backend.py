@@ -1,0 +1,238 @@
+"""NIXL backend (``pip install 'rd2h[nixl]'``): UCX reads between host-memory regions.
+
+Session id: ``"nixl1:" + base64url(zlib(agent metadata))``. NIXL needs the peer's agent
+metadata (its UCX worker address plus the remote keys of its registered memory) before it
+can read; carrying it inside the session string makes the session self-contained, so no
+extra listener, port or round trip is needed and MF_META delivers it like any session.
+Metadata grows by roughly 120 bytes per registered region (a few hundred bytes for a
+handful of merged regions). The session changes when more memory is registered, so a
+Prefill publishes it after registering.
+
+Reads use NIXL's asynchronous transfer request: post, poll until done, error or deadline.
+On the deadline the request is released, which asks UCX to cancel it; if NIXL refuses
+(the transfer cannot be cancelled yet) the handle is kept and :meth:`quiesce` waits for it.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import contextlib
+import os
+import threading
+import time
+import uuid
+import zlib
+from typing import Any, ClassVar, Final
+
+import numpy as np
+
+from rd2h_protocol.errors import TransferError
+from rd2h_runtime.transfer.base import TransferBackend, U64Array
+
+__all__ = ["SESSION_PREFIX", "NixlBackend"]
+
+SESSION_PREFIX: Final = "nixl1:"
+# Upper bound of one poll sleep; polling starts at a few microseconds and backs off to it.
+_MAX_POLL_SLEEP_S: Final = 0.0005
+_UCX_PLUGIN: Final = "UCX"
+
+# NIXL raises one exception class per status (nixlNotFoundError for NIXL_ERR_NOT_FOUND, ...);
+# the numeric code is looked up from the binding's status enum on first use.
+_status_codes: dict[str, int] = {}
+
+
+def _import_nixl() -> tuple[Any, Any]:
+    # UCX probes InfiniBand when loaded; on hosts without it both processes crash at exit
+    # unless its ib module is excluded. Must be set before the first import of nixl.
+    os.environ.setdefault("UCX_MODULES", "^ib")
+    from nixl._api import nixl_agent, nixl_agent_config
+
+    return nixl_agent, nixl_agent_config
+
+
+def _code(exc: BaseException) -> int | None:
+    """NIXL's status code for one of its exceptions (``None`` for other exceptions)."""
+    if not _status_codes:
+        from nixl._bindings import nixl_status_t
+
+        for status_name, value in nixl_status_t.__members__.items():
+            words = status_name.removeprefix("NIXL_ERR_").split("_")
+            _status_codes["nixl" + "".join(w.capitalize() for w in words) + "Error"] = int(value)
+    return _status_codes.get(type(exc).__name__)
+
+
+def encode_session(metadata: bytes) -> str:
+    """Session string carrying NIXL agent metadata."""
+    return SESSION_PREFIX + base64.urlsafe_b64encode(zlib.compress(metadata)).decode("ascii")
+
+
+def decode_session(session: str) -> bytes:
+    """Agent metadata from a session string; :class:`TransferError` when malformed."""
+    if not session.startswith(SESSION_PREFIX):
+        raise TransferError(
+            f"not a NIXL session (expected prefix {SESSION_PREFIX!r}): {session[:40]!r}"
+        )
+    try:
+        return zlib.decompress(base64.urlsafe_b64decode(session[len(SESSION_PREFIX) :]))
+    except (binascii.Error, zlib.error, ValueError) as exc:
+        raise TransferError(f"malformed NIXL session: {exc}") from exc
+
+
+class NixlBackend(TransferBackend):
+    """Reads through a NIXL agent with the UCX plugin (host memory, ``DRAM`` segments)."""
+
+    name: ClassVar[str] = "nixl"
+    option_names: ClassVar[tuple[str, ...]] = ("agent_name", "num_threads")
+
+    def __init__(
+        self,
+        *,
+        role: str,
+        host: str = "127.0.0.1",
+        agent_name: str | None = None,
+        num_threads: int = 0,
+        **options: Any,
+    ) -> None:
+        self._check_options(options)
+        super().__init__(role=role, host=host)
+        nixl_agent, nixl_agent_config = _import_nixl()
+        self._agent_name = agent_name or f"rd2h-{self.role}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        try:
+            config = nixl_agent_config(
+                enable_prog_thread=True, backends=[_UCX_PLUGIN], num_threads=int(num_threads)
+            )
+            self._agent = nixl_agent(self._agent_name, config)
+        except Exception as exc:
+            raise TransferError(f"NIXL agent creation failed: {exc}", _code(exc)) from exc
+        if _UCX_PLUGIN not in self._agent.backends:
+            raise TransferError(
+                f"NIXL has no {_UCX_PLUGIN} plugin here (available: {self._agent.plugin_list})"
+            )
+        # One agent call at a time: the agent is created without NIXL's own thread sync.
+        self._lock = threading.Lock()
+        self._session: str | None = None
+        self._peers: dict[str, str] = {}  # session -> remote agent name
+        self._unfinished: list[Any] = []  # timed-out handles NIXL could not cancel
+
+    @property
+    def session_id(self) -> str:
+        with self._lock:
+            if self._session is None:
+                self._session = encode_session(self._agent.get_agent_metadata())
+            return self._session
+
+    def _register(self, regions: list[tuple[int, int]]) -> None:
+        descs = [(addr, length, 0, "") for addr, length in regions]
+        with self._lock:
+            try:
+                self._agent.register_memory(descs, "DRAM", backends=[_UCX_PLUGIN])
+            except Exception as exc:
+                raise TransferError(f"NIXL register_memory failed: {exc}", _code(exc)) from exc
+            self._session = None  # the metadata now lists more memory
+
+    def _peer(self, session: str) -> str:
+        name = self._peers.get(session)
+        if name is None:
+            metadata = decode_session(session)
+            try:
+                loaded = self._agent.add_remote_agent(metadata)
+            except Exception as exc:
+                raise TransferError(
+                    f"NIXL could not load the peer's metadata: {exc}", _code(exc)
+                ) from exc
+            name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
+            self._peers[session] = name
+        return name
+
+    def _read(
+        self, session: str, remote: U64Array, local: U64Array, lengths: U64Array, deadline: float
+    ) -> None:
+        zeros = np.zeros(lengths.shape[0], dtype=np.uint64)
+        local_descs = np.stack([local, lengths, zeros], axis=1)
+        remote_descs = np.stack([remote, lengths, zeros], axis=1)
+        with self._lock:
+            self._reap()
+            peer = self._peer(session)
+            try:
+                handle = self._agent.initialize_xfer(
+                    "READ",
+                    self._agent.get_xfer_descs(local_descs, "DRAM"),
+                    self._agent.get_xfer_descs(remote_descs, "DRAM"),
+                    peer,
+                    backends=[_UCX_PLUGIN],
+                )
+            except Exception as exc:
+                raise TransferError(
+                    f"NIXL refused the read from {peer!r} ({lengths.shape[0]} descriptors; "
+                    f"a remote range outside the peer's registered memory is NOT_FOUND): {exc}",
+                    _code(exc),
+                ) from exc
+            try:
+                state = self._agent.transfer(handle)
+                sleep = 0.000005
+                while state == "PROC":
+                    if time.monotonic() >= deadline:
+                        self._abandon(handle)
+                        raise TransferError(
+                            f"NIXL read from {peer!r} timed out ({int(lengths.sum())} bytes)",
+                            transient=not self._unfinished,
+                        )
+                    time.sleep(sleep)
+                    sleep = min(sleep * 2, _MAX_POLL_SLEEP_S)
+                    state = self._agent.check_xfer_state(handle)
+            except TransferError:
+                raise
+            except Exception as exc:
+                self._abandon(handle)
+                raise TransferError(f"NIXL read from {peer!r} failed: {exc}", _code(exc)) from exc
+            if state != "DONE":
+                self._abandon(handle)
+                raise TransferError(f"NIXL read from {peer!r} ended in state {state}")
+            handle.release()
+
+    def _abandon(self, handle: Any) -> None:
+        """Release (cancel) a handle; keep it for :meth:`quiesce` if NIXL cannot yet."""
+        try:
+            handle.release()
+        except Exception:
+            self._unfinished.append(handle)
+
+    def _reap(self) -> None:
+        still = []
+        for handle in self._unfinished:
+            try:
+                state = self._agent.check_xfer_state(handle)
+            except Exception:
+                state = "ERR"
+            if state == "PROC":
+                still.append(handle)
+                continue
+            try:
+                handle.release()
+            except Exception:
+                still.append(handle)
+        self._unfinished = still
+
+    def quiesce(self, timeout_s: float) -> bool:
+        deadline = time.monotonic() + max(0.0, float(timeout_s))
+        while True:
+            with self._lock:
+                self._reap()
+                if not self._unfinished:
+                    return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(_MAX_POLL_SLEEP_S)
+
+    def _close(self) -> None:
+        self.quiesce(1.0)
+        with self._lock:
+            for name in set(self._peers.values()):
+                # The peer may be gone already; then there is nothing left to release.
+                with contextlib.suppress(Exception):
+                    self._agent.remove_remote_agent(name)
+            self._peers.clear()
+            # The agent (and its registrations) go with the last reference; NIXL has no
+            # explicit destroy in its Python API.
+            self._agent = None
