@@ -6,7 +6,10 @@ test_codec_properties.py; this file pins the individual rules.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import msgpack
+import msgspec
 import pytest
 
 from rd2h_protocol import (
@@ -34,9 +37,11 @@ from rd2h_protocol.messages import (
     MAX_FRAME_BYTES,
     MAX_NAME_LEN,
     MAX_REQUESTS_PER_BATCH,
+    MESSAGE_TYPES,
     PROTOCOL_VERSION,
     TAG_READ_DONE,
     TAG_READ_READY_BATCH,
+    V1_FIELD_COUNT,
 )
 
 
@@ -355,3 +360,18 @@ def test_input_that_is_not_bytes_is_malformed() -> None:
 
 def test_tags_are_the_v1_bytes() -> None:
     assert TAG_READ_DONE == b"read_done" and TAG_READ_READY_BATCH == b"read_ready_batch"
+
+
+def test_changelog_names_the_version_of_every_v2_field() -> None:
+    # CHANGELOG.md must stay accurate to messages.py: each field after a message's v1
+    # fields has a row "| `tag` | `field` (position) |", each v2-only message a "(new)" row.
+    changelog = (Path(__file__).parents[2] / "CHANGELOG.md").read_text()
+    for tag, cls in MESSAGE_TYPES.items():
+        name = tag.decode()
+        v1_fields = V1_FIELD_COUNT[cls]
+        if v1_fields == 0:
+            assert f"| `{name}` (new) |" in changelog
+            continue
+        for pos, field in enumerate(msgspec.structs.fields(cls)):
+            row = f"| `{name}` | `{field.name}` ({pos}) |"
+            assert (row in changelog) == (pos >= v1_fields), row
