@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import errno
 import logging
+import threading
 from collections.abc import Callable
 from typing import Literal
 
@@ -136,6 +137,7 @@ class DecodeControlServer(IOLoop[ServerEvent]):
             bound = router.getsockopt(zmq.LAST_ENDPOINT)
             assert isinstance(bound, bytes)
             self._port = int(bound.decode().rpartition(":")[2])
+            threading.current_thread().name = self._thread_name()  # show the real port
         self._set_want(router, zmq.POLLIN)
         self._mon = self._monitor(router)
 
