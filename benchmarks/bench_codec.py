@@ -202,6 +202,11 @@ def _report_case(
             "  (unpackb validates nothing; rd2h.decode also refuses negative or >32-bit ids, "
             "overlong lists and strings, and wrong types before any state changes)",
         ]
+        if min(dispatch, bounds, base) < 0:
+            lines.append(
+                "  note: a negative part means other load on this host outweighed it; "
+                "rerun on an idle machine for a clean attribution"
+            )
     faster_dec = f"{1 / dec_ratio:.2f}x faster than" if dec_ratio <= 1 else f"{dec_ratio:.2f}x"
     lines.append(
         f"  summary (medians): encode {1 / enc_ratio:.1f}x faster than packb; "
