@@ -144,6 +144,11 @@ def _cell(median: float, best: float) -> str:
     return f"{_us(median)} ({_us(best)})".rjust(24)
 
 
+def _compare(ratio: float) -> str:
+    """``ratio`` (ours / baseline time) in words."""
+    return f"{1 / ratio:.2f}x faster than" if ratio <= 1 else f"{ratio:.2f}x slower than"
+
+
 def _report_case(
     title: str, obj: tuple[Any, ...], ids: int, repeats: int, sample_s: float
 ) -> list[str]:
@@ -207,10 +212,9 @@ def _report_case(
                 "  note: a negative part means other load on this host outweighed it; "
                 "rerun on an idle machine for a clean attribution"
             )
-    faster_dec = f"{1 / dec_ratio:.2f}x faster than" if dec_ratio <= 1 else f"{dec_ratio:.2f}x"
     lines.append(
-        f"  summary (medians): encode {1 / enc_ratio:.1f}x faster than packb; "
-        f"decode {faster_dec} unpackb"
+        f"  summary (medians): encode {_compare(enc_ratio)} packb; "
+        f"decode {_compare(dec_ratio)} unpackb"
     )
     return lines
 
