@@ -165,9 +165,13 @@ def _array_ids(arr: npt.NDArray[Any]) -> I64Array:
         raise LocalProtocolError(
             f"block ids must be integers, found dtype {arr.dtype}", ErrorCode.MALFORMED
         )
+    if arr.ndim != 1:
+        raise LocalProtocolError(
+            f"block ids must be 1-d, found shape {arr.shape}", ErrorCode.MALFORMED
+        )
     if arr.dtype.kind == "u" and arr.size and int(arr.max()) > _I64_MAX:
         raise LocalProtocolError("block id beyond int64", ErrorCode.OUT_OF_RANGE)
-    return arr.astype(np.int64, copy=False).reshape(-1)
+    return arr.astype(np.int64, copy=False)
 
 
 def _to_i64(seqs: list[Sequence[int]], total: int, scratch: str | None) -> I64Array:
@@ -181,9 +185,12 @@ def _to_i64(seqs: list[Sequence[int]], total: int, scratch: str | None) -> I64Ar
     # (mypy does not narrow Sequence[int] to ndarray inside the comprehension)
     arrays = [cast("npt.NDArray[Any]", s) for s in seqs if isinstance(s, np.ndarray)]
     if len(arrays) == len(seqs):
-        if all(a.dtype == np.int64 for a in arrays):
-            return np.concatenate(arrays, out=out)
-        return _array_ids(np.concatenate(arrays))
+        try:
+            # "safe" casting takes any narrower integer type and refuses floats and uint64
+            # (which could wrap); those, and arrays that are not 1-d, go the checked way.
+            return np.concatenate(arrays, out=out, casting="safe")
+        except (TypeError, ValueError):
+            return np.concatenate([_array_ids(a) for a in arrays])
     # Python sequences: struct packs a whole request's ints in C, about twice as fast as
     # np.fromiter over the same ints (the unboxing dominates either way).
     at = 0

@@ -9,6 +9,7 @@ match it exactly: same descriptors, same order.
 from __future__ import annotations
 
 import importlib.util
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, cast
@@ -195,6 +196,10 @@ def test_numpy_ids_take_the_same_path_result() -> None:
     assert a.component_counts == b.component_counts
 
 
+def test_uint64_arrays_within_int64_are_accepted() -> None:
+    assert_matches_oracle(make_plan([req(ids([5, 6], np.uint64), ids([1, 2], np.uint64))]))
+
+
 def test_mixed_lists_and_arrays_in_one_group() -> None:
     plan = make_plan(
         [
@@ -205,6 +210,39 @@ def test_mixed_lists_and_arrays_in_one_group() -> None:
         ]
     )
     assert_matches_oracle(plan)
+
+
+def test_results_survive_later_plans_and_other_threads() -> None:
+    """Work buffers are reused between calls; results must never be views of them."""
+    rng = np.random.default_rng(7)
+
+    def random_plan(n: int) -> ReadPlan:
+        def some_ids() -> list[int]:
+            return [int(x) for x in rng.integers(0, 1000, size=n)]
+
+        reqs = [RequestRead(str(i), *(some_ids() for _ in range(4))) for i in range(4)]
+        return make_plan(reqs)
+
+    first = random_plan(50)
+    kept = build_descriptors(first)
+    expected = oracle(first)[0]
+    build_descriptors(random_plan(40))  # a smaller plan reuses the buffers, ...
+    build_descriptors(random_plan(900))  # ... a bigger one grows them
+    assert triples(kept) == expected
+
+    plans = [random_plan(n) for n in (30, 60, 90, 120)]
+    results: dict[int, list[Triple]] = {}
+
+    def work(i: int) -> None:
+        for _ in range(20):
+            results[i] = triples(build_descriptors(plans[i]))
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(plans))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert all(results[i] == oracle(p)[0] for i, p in enumerate(plans))
 
 
 def test_big_bases_near_the_top_of_the_address_space() -> None:
@@ -241,6 +279,7 @@ def test_non_positive_block_bytes_is_refused(bad: int) -> None:
         req([1.5], [1]),  # type: ignore[list-item]  # not an integer
         req([], [], [1], ids([1.0], np.float64)),  # float array
         req(ids([1 << 63], np.uint64), ids([0])),  # uint64 array past int64
+        req(ids([[1]]), ids([[0]])),  # not 1-d
     ],
 )
 def test_bad_ids_are_refused(request_: RequestRead) -> None:
