@@ -546,8 +546,7 @@ class ProducerEndpoint:
             effect, req.state = PREFILL_REQUEST.step(req.state, R_LOCAL_ABORT)
             if effect == EFFECT_SEND_ABORT:
                 req.code, req.message = ErrorCode.ABORTED, "aborted by Prefill"
-                if not req.aborted_toward_peer:
-                    by_conn.setdefault(req.conn.name, []).append(ext_id)
+                by_conn.setdefault(req.conn.name, []).append(ext_id)
             touched.append(req)
         for name, ids in by_conn.items():
             self._send_abort(self._conns[name], ids, "aborted by Prefill", out)
@@ -570,7 +569,7 @@ class ProducerEndpoint:
                 self.stats.malformed_frames += 1
                 return []
         c = self._conns.get(conn)
-        if c is None:
+        if c is None or not c.connected:  # not a connection we opened
             self.stats.unexpected_messages += 1
             return []
         out: list[Output] = []
@@ -712,18 +711,19 @@ class ProducerEndpoint:
             out.append(RequestFinished(req.ext_id, False, req.code, req.message))
 
     def _send_abort(self, conn: _Conn, ext_ids: list[str], reason: str, out: list[Output]) -> None:
-        """ABORT toward a v2 peer that understands it (queued while it re-handshakes)."""
-        if CAP_ABORT not in conn.caps:
-            return  # a v1 peer (or one that never answered) cannot be told
-        for ext_id in ext_ids:
-            req = self._requests.get(ext_id)
-            if req is not None:
-                req.aborted_toward_peer = True
-        if conn.state == CONN_READY_V2:
+        """ABORT toward a v2 peer that understands it; held while a handshake runs.
+
+        A v1 peer (or a connection that never started a handshake) cannot be told.
+        """
+        if conn.state == CONN_READY_V2 and CAP_ABORT in conn.caps:
             out.append(Send(conn.name, Abort(ext_ids=list(ext_ids), reason=reason)))
             self.stats.aborts_sent += 1
-        else:
+        elif conn.state == CONN_HANDSHAKING and not self._v1_only:
             conn.pending_aborts.extend(ext_ids)
+        else:
+            return
+        for ext_id in ext_ids:
+            self._requests[ext_id].aborted_toward_peer = True
 
     def _start_handshake(self, conn: _Conn, now: float, out: list[Output]) -> None:
         if not conn.connected:
