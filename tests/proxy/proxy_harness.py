@@ -118,10 +118,12 @@ class Cluster:
     # knobs
     prefill_status: int = 200
     prefill_delay_s: float = 0.0
+    prefill_gate: asyncio.Event | None = None  # Prefill waits on it after "sending" the KV
     decode_kv_timeout_s: float = 5.0
     decode_posts_per_child: int = 1
     decode_posts: bool = True
     decode_error: tuple[int, str] | None = None
+    decode_crash: bool = False  # Decode drops the connection instead of answering
     decode_hold: asyncio.Event | None = None  # Decode waits on it before answering
     stream_gate: asyncio.Event | None = None  # streaming Decode waits after its first event
     stream_headers_early: bool = False  # streaming Decode sends headers before waiting for KV
@@ -131,6 +133,7 @@ class Cluster:
     prefill_calls: list[Call] = field(default_factory=list)
     decode_calls: list[Call] = field(default_factory=list)
     decode_aborted: list[str] = field(default_factory=list)
+    decode_holding: int = 0  # Decode requests waiting on decode_hold right now
     decode_in_flight: dict[int, int] = field(default_factory=dict)
     metaserver_answers: list[tuple[int, dict[str, Any]]] = field(default_factory=list)
     delivered: dict[str, Rendezvous] = field(default_factory=dict)
@@ -196,7 +199,7 @@ class Cluster:
             self.prefill_calls.append(Call(node, request.path, rid, body, dict(request.headers)))
             if self.prefill_delay_s:
                 await asyncio.sleep(self.prefill_delay_s)
-            if self.prefill_status != 200:
+            if self.prefill_status != 200 and self.prefill_gate is None:
                 return web.json_response({"error": "prefill exploded"}, status=self.prefill_status)
             if body.get("max_tokens") != 1 or body.get("stream") is not False:
                 return web.json_response({"error": "not a prefill request"}, status=400)
@@ -210,6 +213,10 @@ class Cluster:
             for child, rendezvous in picked.items():
                 self.delivered[child] = rendezvous
                 self.kv_event(child).set()  # "all layers sent"
+            if self.prefill_gate is not None:
+                await self.prefill_gate.wait()
+                if self.prefill_status != 200:  # failing only after the KV went out
+                    return web.json_response({"error": "late failure"}, status=self.prefill_status)
             return web.json_response({"id": rid, "choices": [{"index": 0, "text": "P"}]})
 
         async def reset(request: web.Request) -> web.Response:
@@ -288,8 +295,16 @@ class Cluster:
                     await stream.write(b'data: {"error": "kv load timeout"}\n\n')
                     return stream
                 return web.json_response({"error": "kv load timeout"}, status=500)
+            if self.decode_crash:
+                assert request.transport is not None
+                request.transport.abort()  # the connection drops mid-exchange
+                return web.Response()
             if self.decode_hold is not None:
-                await self.decode_hold.wait()
+                self.decode_holding += 1
+                try:
+                    await self.decode_hold.wait()
+                finally:
+                    self.decode_holding -= 1
             texts = [f"decoded:{c}" for c in children]
             if not body.get("stream"):
                 choices = [{"index": i, "text": t} for i, t in enumerate(texts)]
@@ -325,12 +340,13 @@ async def cluster(
     n_prefill: int = 1,
     n_decode: int = 1,
     extra_decoders: tuple[Backend, ...] = (),
+    extra_prefillers: tuple[Backend, ...] = (),
     **proxy_options: Any,
 ) -> AsyncIterator[Cluster]:
     """Start ``n_prefill`` + ``n_decode`` fakes and a proxy in front of them."""
     c = Cluster()
     runners: list[web.AppRunner] = []
-    prefillers: list[Backend] = []
+    prefillers: list[Backend] = list(extra_prefillers)
     decoders: list[Backend] = list(extra_decoders)
     try:
         for i in range(n_prefill):

@@ -339,8 +339,7 @@ async def test_least_loaded_decode_is_chosen() -> None:
     async with cluster(n_decode=2) as c:
         c.decode_hold = hold = asyncio.Event()
         first = asyncio.ensure_future(c.complete(COMPLETIONS, {"prompt": "x"}, "busy"))
-        while not c.decode_calls:
-            await asyncio.sleep(0.01)
+        await c.until(lambda: c.decode_holding == 1)
         busy = c.decode_calls[0].node
         c.decode_hold = None  # later requests answer at once
         for i in range(3):
@@ -455,3 +454,92 @@ async def test_late_metaserver_post_after_parent_ended_is_404() -> None:
             c.proxy_url + "/v1/metaserver", data=encode_rendezvous(_rendezvous("cmpl-fz-0"))
         ) as resp:
             assert resp.status == 404
+
+
+@async_test
+async def test_failure_after_decode_started_streaming_keeps_the_answer() -> None:
+    async with cluster() as c:
+        c.prefill_status = 500
+        c.prefill_gate = asyncio.Event()  # Prefill fails only after its KV went out
+        c.stream_gate = asyncio.Event()
+        async with await c.post(COMPLETIONS, {"prompt": ["a", "b"], "stream": True}, "k") as resp:
+            first = await asyncio.wait_for(resp.content.readuntil(b"\n\n"), 3)
+            assert b"decoded:cmpl-k-0" in first
+            c.prefill_gate.set()
+            await c.until(lambda: c.server.stats.dispatches_failed == 1)
+            c.stream_gate.set()
+            rest = await resp.content.read()
+        assert b"decoded:cmpl-k-1" in rest and rest.endswith(b"data: [DONE]\n\n")
+        assert b"error" not in rest
+        assert c.server.stats.failures_after_first_byte == 1
+        await c.wait_idle()
+
+
+@async_test
+async def test_decode_timeout_mid_stream_ends_with_error_event() -> None:
+    async with cluster(decode_timeout_s=0.5) as c:
+        c.stream_gate = asyncio.Event()  # never set: Decode stalls after one event
+        async with await c.post(COMPLETIONS, {"prompt": ["a", "b"], "stream": True}, "t") as resp:
+            assert resp.status == 200
+            text = await resp.text()
+        events = [e for e in text.split("\n\n") if e.strip()]
+        assert "decoded:cmpl-t-0" in events[0]
+        error = json.loads(events[-1][len("data: ") :])["error"]
+        assert error["code"] == 504
+        await c.wait_idle()
+        assert c.server.stats.decode_errors == 1
+
+
+@async_test
+async def test_decode_timeout_without_stream_is_504() -> None:
+    async with cluster(decode_timeout_s=0.3) as c:
+        c.decode_hold = asyncio.Event()
+        status, body = await c.complete(COMPLETIONS, {"prompt": "x"}, "t2")
+        assert status == 504, body
+        await c.wait_idle()
+
+
+@async_test
+async def test_decode_dropping_the_connection_is_502() -> None:
+    async with cluster() as c:
+        c.decode_crash = True
+        status, body = await c.complete(COMPLETIONS, {"prompt": "x"}, "crash")
+        assert status == 502, body
+        assert "failed" in body["error"]["message"]
+        await c.wait_idle()
+
+
+@async_test
+async def test_unreachable_prefill_fails_over_and_all_down_is_502() -> None:
+    dead = Backend(HOST, closed_port())
+    async with cluster(extra_prefillers=(dead,)) as c:
+        for i in range(2):
+            status, body = await c.complete(COMPLETIONS, {"prompt": "x"}, f"pf{i}")
+            assert status == 200, body
+        assert c.server.prefill.nodes[0].failures >= 1
+        await c.wait_idle()
+    async with cluster(n_prefill=0, extra_prefillers=(dead,)) as c:
+        status, body = await c.complete(COMPLETIONS, {"prompt": "x"}, "pfdown")
+        assert status == 502 and "unreachable" in body["error"]["message"], body
+        await c.wait_idle()
+
+
+@async_test
+async def test_all_decoders_unreachable_is_502() -> None:
+    dead = Backend(HOST, closed_port())
+    async with cluster(n_decode=0, extra_decoders=(dead,)) as c:
+        status, body = await c.complete(COMPLETIONS, {"prompt": "x"}, "ddown")
+        assert status == 502 and "unreachable" in body["error"]["message"], body
+        await c.wait_idle()
+
+
+@async_test
+async def test_shutdown_with_a_dispatch_in_flight_is_prompt() -> None:
+    async with cluster() as c:
+        c.prefill_delay_s = 30.0
+        pending = asyncio.ensure_future(c.complete(COMPLETIONS, {"prompt": "x"}, "sd"))
+        await c.until(lambda: bool(c.prefill_calls))
+        started = time.monotonic()
+    # Leaving the block closed the client, the proxy (cancelling its dispatch) and the fakes.
+    assert time.monotonic() - started < 2.0
+    assert isinstance((await asyncio.gather(pending, return_exceptions=True))[0], BaseException)
