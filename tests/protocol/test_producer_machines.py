@@ -1,0 +1,144 @@
+"""The Prefill machine declarations: the hot-path table and the transitions Machine agree.
+
+Each machine is declared once (``rd2h_protocol.producer_machines``); the endpoint runs the
+derived dict table, the docs and these tests build a ``transitions.Machine`` from the
+same declaration. They must agree on every (state, input) pair, allowed or not.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from transitions import MachineError
+
+from rd2h_protocol._machine import MachineSpec
+from rd2h_protocol.errors import LocalProtocolError, RemoteProtocolError
+from rd2h_protocol.producer import PRODUCER_MACHINES
+from rd2h_protocol.producer_machines import (
+    CONNECTION_HANDSHAKE,
+    LAYER_PUBLICATION,
+    PREFILL_REQUEST,
+    STORAGE_GATE,
+)
+
+MACHINES = {m.name: m for m in PRODUCER_MACHINES}
+PAIRS = [(m.name, s, i) for m in PRODUCER_MACHINES for s in m.states for i in m.inputs]
+
+
+def machine_step(spec: MachineSpec, state: str, event: str) -> str | None:
+    """The transitions Machine's answer: the next state, or None when it refuses."""
+    machine = spec.build_machine()
+    model = machine.models[0]
+    machine.set_state(state)
+    try:
+        model.trigger(event)
+    except MachineError:
+        return None
+    return str(model.state)
+
+
+def table_step(spec: MachineSpec, state: str, event: str) -> str | None:
+    try:
+        return spec.step(state, event)[1]
+    except LocalProtocolError:
+        return None
+
+
+def test_every_producer_machine_is_listed() -> None:
+    assert PRODUCER_MACHINES == (
+        STORAGE_GATE,
+        LAYER_PUBLICATION,
+        PREFILL_REQUEST,
+        CONNECTION_HANDSHAKE,
+    )
+    assert len(MACHINES) == len(PRODUCER_MACHINES)
+
+
+@pytest.mark.parametrize(("name", "state", "event"), PAIRS)
+def test_table_and_machine_agree_on_every_pair(name: str, state: str, event: str) -> None:
+    spec = MACHINES[name]
+    assert table_step(spec, state, event) == machine_step(spec, state, event)
+
+
+@given(st.sampled_from(PAIRS))
+def test_table_and_machine_agree_on_drawn_pairs(pair: tuple[str, str, str]) -> None:
+    name, state, event = pair
+    spec = MACHINES[name]
+    assert table_step(spec, state, event) == machine_step(spec, state, event)
+
+
+@given(st.data())
+def test_walks_agree(data: st.DataObject) -> None:
+    """A random walk of inputs (refused ones included) keeps both in the same state."""
+    spec = data.draw(st.sampled_from(PRODUCER_MACHINES))
+    machine = spec.build_machine()
+    model = machine.models[0]
+    state = spec.initial
+    for event in data.draw(st.lists(st.sampled_from(spec.inputs), max_size=30)):
+        expected = table_step(spec, state, event)
+        try:
+            model.trigger(event)
+            got: str | None = str(model.state)
+        except MachineError:
+            got = None
+        assert got == expected
+        if expected is not None:
+            state = expected
+        assert model.state == state
+
+
+@pytest.mark.parametrize("spec", PRODUCER_MACHINES, ids=lambda m: m.name)
+def test_a_table_miss_raises_the_named_error(spec: MachineSpec) -> None:
+    misses = [(s, i) for s in spec.states for i in spec.inputs if (s, i) not in spec.table]
+    assert misses  # every machine refuses something
+    state, event = misses[0]
+    with pytest.raises(LocalProtocolError, match=f"{event} is not allowed in state {state}"):
+        spec.step(state, event)
+    with pytest.raises(RemoteProtocolError):
+        spec.step(state, event, RemoteProtocolError)
+    with pytest.raises(LocalProtocolError):
+        spec.step(state, "NO_SUCH_INPUT")
+
+
+@pytest.mark.parametrize("spec", PRODUCER_MACHINES, ids=lambda m: m.name)
+def test_declarations_are_well_formed(spec: MachineSpec) -> None:
+    # Every state is reachable from the initial one.
+    seen = {spec.initial}
+    frontier = [spec.initial]
+    while frontier:
+        state = frontier.pop()
+        for (source, _), (_, dest) in spec.table.items():
+            if source == state and dest not in seen:
+                seen.add(dest)
+                frontier.append(dest)
+    assert seen == set(spec.states)
+    # Terminal states never leave (late input is only counted there).
+    for (source, _), (_, dest) in spec.table.items():
+        if source in spec.terminal:
+            assert dest == source
+    # Every input name says where it comes from.
+    assert all(i.split("_")[0] in {"LOCAL", "RECV", "SEND", "TIMER"} for i in spec.inputs)
+
+
+def test_request_terminal_states_have_no_transitions() -> None:
+    # A finished request is forgotten at once: nothing may address its terminal state.
+    assert not [key for key in PREFILL_REQUEST.table if key[0] in PREFILL_REQUEST.terminal]
+
+
+def test_late_replies_are_counted_by_the_table() -> None:
+    for state in ("replied", "failed", "requeued"):
+        for event in ("RECV_DONE", "RECV_FAILED", "RECV_UNKNOWN_SESSION"):
+            assert LAYER_PUBLICATION.step(state, event) == ("count_duplicate", state)
+    for state in ("expired", "released"):
+        for event in ("RECV_DONE", "RECV_FAILED", "RECV_UNKNOWN_SESSION"):
+            assert LAYER_PUBLICATION.step(state, event) == ("count_stale", state)
+
+
+def test_gate_reopens_after_expiry_only_through_the_abort() -> None:
+    assert STORAGE_GATE.step("closed", "TIMER_LEASE_EXPIRED") == ("none", "expired")
+    assert STORAGE_GATE.step("expired", "LOCAL_ABORT_SENT") == ("reopen", "open")
+    with pytest.raises(LocalProtocolError):
+        STORAGE_GATE.step("closed", "LOCAL_ABORT_SENT")
+    with pytest.raises(LocalProtocolError):
+        STORAGE_GATE.step("expired", "LOCAL_PUBLISH")  # no reuse before it reopened
