@@ -111,6 +111,7 @@ class _Relay:
 
     stream: web.StreamResponse | None = None
     body_bytes: int = 0
+    failed: bool = False  # the client got an error (status or final SSE error event)
 
 
 class ProxyServer:
@@ -217,18 +218,20 @@ class ProxyServer:
         parent.timer = loop.call_later(
             self.config.rendezvous_timeout_s, self._rendezvous_expired, parent
         )
+        relay = _Relay()
         try:
-            response = await self._serve(request, parent)
+            response = await self._serve(request, parent, relay)
         finally:
             self.registry.close_client(parent)
-        if parent.phase is Phase.FAILED or response.status >= 400:
+        if relay.failed or response.status >= 400:
             self.stats.requests_failed += 1
         else:
             self.stats.requests_ok += 1
         return response
 
-    async def _serve(self, request: web.Request, parent: Parent) -> web.StreamResponse:
-        relay = _Relay()
+    async def _serve(
+        self, request: web.Request, parent: Parent, relay: _Relay
+    ) -> web.StreamResponse:
         forward = asyncio.ensure_future(self._forward(request, parent, relay))
         failed = asyncio.ensure_future(parent.failed.wait())
         try:
@@ -251,6 +254,7 @@ class ProxyServer:
                 await asyncio.gather(forward, return_exceptions=True)
         status, message = parent.failure or (502, "request failed")
         log.warning("request %s failed: %s", parent.parent_id, message)
+        relay.failed = True
         if relay.stream is not None:
             await self._stream_error(relay.stream, status, message)
             return relay.stream
@@ -308,6 +312,7 @@ class ProxyServer:
 
     async def _relay_failed(self, relay: _Relay, status: int, message: str) -> web.StreamResponse:
         log.warning("%s", message)
+        relay.failed = True
         if relay.stream is not None:
             # Headers are out: the status cannot change, so end the stream with an error event.
             await self._stream_error(relay.stream, status, message)

@@ -472,6 +472,7 @@ async def test_failure_after_decode_started_streaming_keeps_the_answer() -> None
         assert b"decoded:cmpl-k-1" in rest and rest.endswith(b"data: [DONE]\n\n")
         assert b"error" not in rest
         assert c.server.stats.failures_after_first_byte == 1
+        assert c.server.stats.requests_ok == 1  # the client got a complete answer
         await c.wait_idle()
 
 
@@ -487,7 +488,7 @@ async def test_decode_timeout_mid_stream_ends_with_error_event() -> None:
         error = json.loads(events[-1][len("data: ") :])["error"]
         assert error["code"] == 504
         await c.wait_idle()
-        assert c.server.stats.decode_errors == 1
+        assert c.server.stats.decode_errors == 1 and c.server.stats.requests_failed == 1
 
 
 @async_test
