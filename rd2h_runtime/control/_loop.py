@@ -24,7 +24,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Final, Generic, TypeVar
+from typing import Any, Final, Generic, TypeVar
 
 import zmq
 
@@ -40,6 +40,7 @@ from rd2h_runtime.control._common import (
 log = logging.getLogger("rd2h_runtime.control")
 
 EventT = TypeVar("EventT")
+_LoopT = TypeVar("_LoopT", bound="IOLoop[Any]")
 
 _MONITOR_EVENTS: Final = (
     zmq.EVENT_HANDSHAKE_SUCCEEDED
@@ -114,8 +115,15 @@ class IOLoop(Generic[EventT]):
             if self._state != "new":
                 raise ControlClosed(f"{self._describe()}: start() called twice or after close()")
             self._state = "starting"
-        own_ctx = self._external_ctx is None
-        self._ctx = zmq.Context() if own_ctx else self._external_ctx
+        if self._external_ctx is None:
+            ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+            # Each endpoint costs a socket, its monitor PAIR and ZMQ's end of that PAIR;
+            # ZMQ's default cap (1023 sockets) would bite long before max_connections.
+            wanted = 3 * self._options.max_connections + 16
+            ctx.set(zmq.MAX_SOCKETS, min(wanted, ctx.get(zmq.SOCKET_LIMIT)))
+            self._ctx = ctx
+        else:
+            self._ctx = self._external_ctx
         thread = threading.Thread(target=self._run, name=self._thread_name(), daemon=True)
         self._thread = thread
         try:
@@ -209,7 +217,7 @@ class IOLoop(Generic[EventT]):
                 "(is the handler blocked?)"
             )
 
-    def __enter__(self) -> IOLoop[EventT]:
+    def __enter__(self: _LoopT) -> _LoopT:
         if self._state == "new":
             self.start()
         return self

@@ -229,6 +229,9 @@ class PrefillControlClient(IOLoop[ClientEvent]):
         if mon is not None:
             self._by_mon[mon] = c
         self._set_want(sock, zmq.POLLIN)
+        with self._lock:
+            if c.outbox:  # frames queued before the socket existed
+                self._dirty[c] = None
 
     def _close_socket(self, c: _Conn) -> None:
         sock, mon = c.sock, c.mon
@@ -270,6 +273,9 @@ class PrefillControlClient(IOLoop[ClientEvent]):
             self._deliver(ConnFrame(c.name, body[0]))
 
     def _flush(self) -> None:
+        # The handler may have opened or closed endpoints during this turn (it runs on this
+        # thread, so it did not wake us): apply that before sending.
+        self._process_commands()
         with self._lock:
             if not self._dirty:
                 return

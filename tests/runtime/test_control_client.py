@@ -22,6 +22,7 @@ from rd2h_runtime.control import (
     PrefillControlClient,
     QueueFull,
     ServerEvent,
+    TimerDue,
 )
 
 pytestmark = pytest.mark.timeout(20)
@@ -219,3 +220,24 @@ def test_ping_pong_1000_messages_with_our_server() -> None:
     finally:
         client.close()
         server.close()
+
+
+def test_handler_can_open_a_new_endpoint_and_send_at_once(ctx: Ctx) -> None:
+    r, live = router(ctx)
+
+    def on_event(event: ClientEvent) -> None:
+        # Runs on the I/O thread, which therefore gets no wake-up: the loop must still
+        # open the DEALER and flush within this turn.
+        if isinstance(event, TimerDue):
+            client.send(live, b"from-the-handler")
+
+    client = PrefillControlClient(handler=on_event, options=ControlOptions(idle_poll_s=5.0))
+    client.start()
+    try:
+        t0 = time.monotonic()
+        client.set_timer(t0)
+        frames = r.recv_multipart()
+        assert frames[1] == b"from-the-handler"
+        assert time.monotonic() - t0 < 2.0  # well under the 5 s idle poll
+    finally:
+        client.close()

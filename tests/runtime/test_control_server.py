@@ -298,3 +298,32 @@ def test_queue_mode_applies_back_pressure_without_loss(
         assert server.stats.dropped_events == 0
     finally:
         server.close()
+
+
+def test_a_peer_that_stops_reading_gets_send_failures_not_a_stall(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    def react(event: ServerEvent) -> None:
+        if isinstance(event, PeerFrame):
+            if event.payload == b"flood-me":
+                for _ in range(50):  # 50 MiB toward a peer that never reads
+                    server.send(event.peer, b"x" * (1 << 20))
+            else:
+                server.send(event.peer, b"pong")
+
+    rec = Recorder(react)
+    server = start_server(rec, sndhwm=1)
+    try:
+        stuck = dealer(ctx, server)
+        stuck.setsockopt(zmq.RCVHWM, 1)
+        stuck.send(b"flood-me")
+        failed = rec.wait_for(PeerSendFailed)
+        assert isinstance(failed, PeerSendFailed) and failed.reason == "queue_full"
+        healthy = dealer(ctx, server)
+        healthy.send(b"ping")
+        assert healthy.recv_multipart() == [b"", b"pong"]
+        stats = server.stats
+        assert stats.send_failures >= 1
+        assert stats.send_failures + stats.frames_out >= 50
+    finally:
+        server.close()
