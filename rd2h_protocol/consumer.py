@@ -1,0 +1,1278 @@
+"""The Decode side of the protocol: one sans-IO endpoint per Decode TP rank.
+
+Theory of operation
+-------------------
+:class:`ConsumerEndpoint` owns nothing but state. The runtime feeds it what happened --
+a frame from a Prefill peer (:meth:`~ConsumerEndpoint.receive_frame`), a request whose
+destination blocks vLLM allocated (:meth:`~ConsumerEndpoint.add_request`), the end of a
+data read (:meth:`~ConsumerEndpoint.read_finished`), an abort or a release from vLLM, the
+passing of time (:meth:`~ConsumerEndpoint.handle_timer`) -- always with ``now``
+(monotonic seconds), and executes the outputs it gets back, in order: :class:`Reply` and
+:class:`SendAbort` go on the wire, :class:`StartRead` goes to a read worker,
+:class:`RequestDone` / :class:`RequestFailed` feed the cross-rank completion
+(:mod:`rd2h_protocol.completion`), :class:`Releasable` lets vLLM free the blocks.
+Nothing here raises for peer input: bad frames and messages are counted in
+:attr:`~ConsumerEndpoint.stats` and answered when they can be identified.
+
+Serving one readiness (reference §2, departures 1, 4, 6, 11):
+
+1. The peer must be bound to a session by MF_META (else ``UNKNOWN_SESSION``; a refused
+   session gets its refusal code). ``layer_idx`` is the position in this rank's ordered
+   layers; ``layer_name`` must be a layer of the session's layout, and the layout must
+   match the destination (:func:`~rd2h_protocol.layout.validate_layer`). A failure here
+   fails the WHOLE layer, ``read_failed``, before any byte moves (never a partial write),
+   and every known request the message names fails with it.
+2. Requests this rank does not know yet (the rendezvous outran the worker) park the
+   message, bounded in count and time; requests retired recently (released, aborted) are
+   not waited for.
+3. The lease (v2): a read is never STARTED once less than half of ``lease_ms`` is left
+   since the message arrived; the message is refused ``LEASE_EXPIRED`` instead.
+4. Per request: unknown (after parking), no longer waiting, inconsistent ``tp_ratio``,
+   destination range that does not fit, or Prefill block ids outside the layout's
+   ``num_blocks``: the request is *isolated* -- left out of the read, failed on this rank,
+   and (v2 with the ``isolate`` capability) listed in the reply's ``failed``. Every other
+   request contributes its share: the main blocks only from ``group_member_idx`` 0,
+   split over the Decode TP ranks with :func:`~rd2h_protocol.topology.main_share`; the
+   indexer (and its scale) split over the contributors with
+   :func:`~rd2h_protocol.topology.indexer_share`.
+5. ONE :class:`~rd2h_protocol.plan.ReadPlan` per message (``StartRead``), or, when this
+   rank has nothing to read, ``read_done`` at once. When the read ends, the reply goes
+   out; done signals count (contributor completion) only after a successful read; a
+   failed read fails every request of the message. A transient failure is retried
+   (``max_read_retries``) while the lease still leaves its margin.
+
+Toward a v1 peer: isolation still applies (the other requests are read), and the reply
+is the plain ``read_done`` -- v1 has no per-request failure field, and its Prefill raises
+on ``read_failed`` and so fails every request of its batch. The isolated requests fail on
+Decode, which owns their completion, so nothing depends on the v1 Prefill learning of
+them. ``read_failed`` is kept for what fails the whole layer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Final, TypeAlias
+
+import msgspec
+
+from rd2h_protocol.codec import decode
+from rd2h_protocol.completion import EFFECT_IGNORE_DUPLICATE, ContributorSet
+from rd2h_protocol.consumer_machines import (
+    CONSUMER_MACHINES,
+    DECODE_READINESS,
+    DECODE_REQUEST,
+    DECODE_SESSION,
+    EFFECT_ACCEPT,
+    EFFECT_ACK_V1,
+    EFFECT_ACK_V2,
+    EFFECT_DROP,
+    EFFECT_FAIL,
+    EFFECT_FAIL_HOLD,
+    EFFECT_FAIL_RELEASE,
+    EFFECT_ISOLATE,
+    EFFECT_PROGRESS,
+    EFFECT_RELEASE,
+    EFFECT_REPLY_REFUSED,
+    EFFECT_REPLY_UNKNOWN_SESSION,
+    EFFECT_REPORT_DONE,
+    M_LOCAL_NOTHING_TO_READ,
+    M_LOCAL_PARK,
+    M_LOCAL_READ_FAILED,
+    M_LOCAL_READ_OK,
+    M_LOCAL_READ_RETRY,
+    M_LOCAL_REFUSE,
+    M_LOCAL_START_READ,
+    M_LOCAL_UNPARK,
+    M_TIMER_PARK_EXPIRED,
+    R_LOCAL_ABORT,
+    R_LOCAL_ADVERTISE,
+    R_LOCAL_ALL_DONE,
+    R_LOCAL_FAIL,
+    R_LOCAL_QUIESCENT,
+    R_LOCAL_READ_OK,
+    R_LOCAL_RELEASE,
+    R_LOCAL_RELEASE_BUSY,
+    R_RECV_ABORT,
+    R_RECV_READINESS,
+    R_TIMER_LOAD_TIMEOUT,
+    REQ_ABORTED,
+    REQ_DONE,
+    REQ_RECEIVING,
+    REQ_RELEASE_PENDING,
+    S_RECV_ABORT,
+    S_RECV_MF_META_BAD_V1,
+    S_RECV_MF_META_BAD_V2,
+    S_RECV_MF_META_V1,
+    S_RECV_MF_META_V2,
+    S_RECV_READINESS,
+    SESSION_READY,
+    SESSION_UNBOUND,
+    SESSION_V2,
+)
+from rd2h_protocol.errors import (
+    ConfigError,
+    ErrorCode,
+    LayoutMismatch,
+    LocalProtocolError,
+    ProtocolError,
+    RemoteProtocolError,
+    TransferError,
+)
+from rd2h_protocol.layout import (
+    DestinationLayout,
+    LayerLayout,
+    check_destination_range,
+    check_source_blocks,
+    decode_layer_metadata,
+    validate_layer,
+)
+from rd2h_protocol.messages import (
+    ALL_CAPABILITIES,
+    CAP_ABORT,
+    CAP_ISOLATE,
+    MAX_FRAME_BYTES,
+    MAX_REQUESTS_PER_BATCH,
+    MAX_TEXT_LEN,
+    PROTOCOL_VERSION,
+    TAG_ACK_V1,
+    TAG_READ_READY_BATCH,
+    Abort,
+    Ack,
+    FailedRequest,
+    Message,
+    MfMeta,
+    ReadDone,
+    ReadFailed,
+    ReadReadyBatch,
+    ReadReq,
+)
+from rd2h_protocol.plan import ComponentAddrs, ReadPlan, RequestRead
+from rd2h_protocol.topology import indexer_share, main_share
+
+__all__ = [
+    "CONSUMER_MACHINES",
+    "ConsumerConfig",
+    "ConsumerEndpoint",
+    "ConsumerStats",
+    "Output",
+    "Releasable",
+    "Reply",
+    "RequestDone",
+    "RequestFailed",
+    "SendAbort",
+    "StartRead",
+]
+
+_U32: Final = (1 << 32) - 1
+_SEQ_MAX: Final = (1 << 63) - 1
+# Room kept in a reply frame for everything but the per-request failure texts.
+_REPLY_TEXT_BUDGET: Final = MAX_FRAME_BYTES // 2
+
+
+# -- configuration -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ConsumerConfig:
+    """Configuration of one Decode TP rank's endpoint.
+
+    ``layers`` is this rank's ordered list of ``(layer name, destination)``: a
+    readiness's ``layer_idx`` is a position in it. ``compat`` is compared with a v2
+    Prefill's MF_META ``compat`` (when both are set); a mismatch refuses the handshake.
+    ``kv_load_timeout_s``: a request waiting for KV with no progress for that long fails.
+    ``max_parked`` / ``park_timeout_s`` bound the readiness (and aborts) kept for requests
+    not known yet. ``max_read_retries``: retries of a batched read that failed with a
+    transient error. ``max_retired``: how many recently finished request ids are
+    remembered, so a late readiness for them is refused at once instead of parked.
+    ``max_sessions``: Prefill sessions kept (the oldest handshake is forgotten first).
+    """
+
+    d_rank: int
+    d_tp: int
+    layers: Sequence[tuple[str, DestinationLayout]]
+    capabilities: Sequence[str] = ALL_CAPABILITIES
+    compat: str | None = None
+    kv_load_timeout_s: float = 120.0
+    max_parked: int = 1024
+    park_timeout_s: float = 10.0
+    max_read_retries: int = 1
+    max_retired: int = 16384
+    max_sessions: int = 4096
+
+    def __post_init__(self) -> None:
+        if self.d_tp < 1:
+            raise ConfigError(f"d_tp must be >= 1, got {self.d_tp}")
+        if not 0 <= self.d_rank < self.d_tp:
+            raise ConfigError(f"d_rank must lie in [0, {self.d_tp}), got {self.d_rank}")
+        names = [name for name, _ in self.layers]
+        if len(set(names)) != len(names):
+            raise ConfigError("layer names must be unique; got duplicates in `layers`")
+        unknown = sorted(set(self.capabilities) - set(ALL_CAPABILITIES))
+        if unknown:
+            raise ConfigError(
+                f"unknown capabilities {unknown}; expected a subset of {list(ALL_CAPABILITIES)}"
+            )
+        for name in ("kv_load_timeout_s", "park_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in ("max_parked", "max_read_retries", "max_retired"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.max_sessions < 1:
+            raise ConfigError(f"max_sessions must be >= 1, got {self.max_sessions}")
+
+
+# -- outputs -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """Send ``msg`` to the Prefill peer ``peer`` (a ZMQ ROUTER identity)."""
+
+    peer: bytes
+    msg: Message
+
+
+@dataclass(frozen=True, slots=True)
+class SendAbort:
+    """Tell the v2 Prefill peer ``peer`` to stop publishing ``msg.ext_ids``."""
+
+    peer: bytes
+    msg: Abort
+
+
+@dataclass(frozen=True, slots=True)
+class StartRead:
+    """Execute ``plan`` (one batched read) and report it with ``read_finished(plan.read_id)``.
+
+    ``start_by`` (monotonic seconds, ``None`` without a lease): a read that cannot START
+    by then must not start; report it with a :class:`TransferError` whose ``code`` is
+    ``ErrorCode.LEASE_EXPIRED``.
+    """
+
+    plan: ReadPlan
+    start_by: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RequestDone:
+    """The request is done on this rank (every contributor, successful reads)."""
+
+    ext_req_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class RequestFailed:
+    """The request failed on this rank: its destination blocks hold no valid KV.
+
+    Both block lists are reported as vLLM load errors once the cross-rank rule finishes
+    the request.
+    """
+
+    ext_req_id: str
+    code: ErrorCode
+    message: str
+    main_block_ids: tuple[int, ...]
+    indexer_block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Releasable:
+    """No read can write the request's blocks any more and vLLM released it: free them."""
+
+    ext_req_id: str
+
+
+Output: TypeAlias = Reply | SendAbort | StartRead | RequestDone | RequestFailed | Releasable
+
+
+@dataclass(slots=True)
+class ConsumerStats:
+    """Counters of one endpoint (monotonic, for metrics)."""
+
+    handshakes: int = 0
+    refused_handshakes: int = 0
+    malformed_frames: int = 0
+    dropped: int = 0
+    unexpected_messages: int = 0
+    unknown_session: int = 0
+    layer_failures: int = 0
+    isolated_requests: int = 0
+    parked: int = 0
+    park_expired: int = 0
+    park_overflow: int = 0
+    reads_started: int = 0
+    reads_failed: int = 0
+    read_retries: int = 0
+    expired_leases: int = 0
+    aborts_sent: int = 0
+    aborts_received: int = 0
+    load_timeouts: int = 0
+    duplicate_done: int = 0
+    requests_done: int = 0
+    requests_failed: int = 0
+    protocol_errors: int = 0
+
+
+# -- internal records ----------------------------------------------------------------------
+
+
+class _Session:
+    __slots__ = ("caps", "layers", "name", "peer", "refusal", "state", "validated")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.state = SESSION_UNBOUND
+        self.peer: bytes | None = None
+        self.caps: frozenset[str] = frozenset()
+        self.layers: dict[str, LayerLayout] = {}
+        self.refusal: tuple[ErrorCode, str] = (ErrorCode.UNKNOWN, "")
+        # (layer_idx, layer_name) -> validated components, or the mismatch.
+        self.validated: dict[
+            tuple[int, str],
+            tuple[tuple[ComponentAddrs, ...], tuple[ComponentAddrs, ...]] | LayoutMismatch,
+        ] = {}
+
+
+class _Request:
+    __slots__ = (
+        "contributors",
+        "ext_id",
+        "fail_code",
+        "fail_message",
+        "in_flight",
+        "indexer_ids",
+        "main_ids",
+        "sessions",
+        "state",
+    )
+
+    def __init__(self, ext_id: str, main_ids: list[int], indexer_ids: list[int]) -> None:
+        self.ext_id = ext_id
+        self.state = DECODE_REQUEST.initial
+        self.main_ids = main_ids
+        self.indexer_ids = indexer_ids
+        self.in_flight = 0  # reads in flight that write this request's blocks
+        self.contributors: ContributorSet | None = None
+        self.sessions: set[str] = set()  # Prefill sessions that published for it
+        self.fail_code = ErrorCode.UNKNOWN
+        self.fail_message = ""
+
+
+class _Readiness:
+    __slots__ = (
+        "accepted",
+        "caps",
+        "deadline",
+        "in_plan",
+        "isolated",
+        "missing",
+        "msg",
+        "park_id",
+        "peer",
+        "plan",
+        "receipt",
+        "retries_left",
+        "session",
+        "start_by",
+        "state",
+    )
+
+    def __init__(self, peer: bytes, session: str, msg: ReadReadyBatch, now: float) -> None:
+        self.peer = peer
+        self.session = session
+        self.msg = msg
+        self.receipt = now
+        self.state = DECODE_READINESS.initial
+        self.start_by = None if msg.lease_ms is None else now + msg.lease_ms / 2000.0
+        self.caps: frozenset[str] = frozenset()
+        self.missing: set[str] = set()
+        self.deadline = 0.0
+        self.park_id = 0
+        self.accepted: list[_Request] = []
+        self.in_plan: list[_Request] = []
+        self.isolated: list[FailedRequest] = []
+        self.plan: ReadPlan | None = None
+        self.retries_left = 0
+
+
+class _ParkedAbort:
+    __slots__ = ("deadline", "missing", "park_id", "reason", "session")
+
+    def __init__(self, session: str, missing: set[str], reason: str, deadline: float) -> None:
+        self.session = session
+        self.missing = missing
+        self.reason = reason
+        self.deadline = deadline
+        self.park_id = 0
+
+
+_Parked: TypeAlias = _Readiness | _ParkedAbort
+
+
+def _clip(text: str) -> str:
+    return text if len(text) <= MAX_TEXT_LEN else text[: MAX_TEXT_LEN - 3] + "..."
+
+
+def _unique(ids: Iterable[str]) -> list[str]:
+    return list(dict.fromkeys(ids))
+
+
+def _message_ids(msg: ReadReadyBatch) -> list[str]:
+    """Every request id a readiness names: its entries, then its done ids."""
+    return _unique([*(rr.ext_req_id for rr in msg.read_reqs), *msg.done_ext_ids])
+
+
+def _check_source(layer: str, component: str, ids: Sequence[int], num_blocks: int | None) -> None:
+    """Prefill block ids must lie in ``[0, num_blocks)`` when the layout says ``num_blocks``."""
+    if num_blocks is not None and ids and max(ids) >= num_blocks:  # max(): no per-id Python
+        check_source_blocks(layer, component, ids, num_blocks)
+
+
+def _as_int(value: object, high: int) -> int | None:
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= high:
+        return value
+    return None
+
+
+def _identify_readiness(frame: bytes) -> tuple[int, int | None, list[str]] | None:
+    """Read ``(layer_idx, seq, request ids)`` from a readiness that failed typed decoding.
+
+    Returns ``None`` when the frame is not a readiness or those fields are unreadable
+    (then no reply can be correlated with it and it is dropped).
+    """
+    if len(frame) > MAX_FRAME_BYTES:
+        return None
+    try:
+        obj = msgspec.msgpack.decode(frame)
+    except Exception:  # not msgpack at all, or nesting too deep
+        return None
+    if not isinstance(obj, list) or len(obj) < 2 or obj[0] != TAG_READ_READY_BATCH:
+        return None
+    layer_idx = _as_int(obj[1], _U32)
+    if layer_idx is None:
+        return None
+    seq: int | None = None
+    if len(obj) > 7:
+        seq = _as_int(obj[7], _SEQ_MAX)
+        if seq is None:  # a seq we cannot echo cannot be correlated
+            return None
+    ids: list[str] = []
+    if len(obj) > 3 and isinstance(obj[3], list):
+        ids.extend(e[0] for e in obj[3] if isinstance(e, list) and e and isinstance(e[0], str))
+    if len(obj) > 4 and isinstance(obj[4], list):
+        ids.extend(e for e in obj[4] if isinstance(e, str))
+    return layer_idx, seq, _unique(ids)
+
+
+# -- the endpoint --------------------------------------------------------------------------
+
+
+class ConsumerEndpoint:
+    """One Decode TP rank's protocol state (sans-IO). See the module docstring.
+
+    Every input method takes ``now`` (monotonic seconds, never decreasing) and returns the
+    list of outputs to execute in order.
+    """
+
+    def __init__(self, config: ConsumerConfig) -> None:
+        self.config = config
+        self.stats = ConsumerStats()
+        self._layers: tuple[tuple[str, DestinationLayout], ...] = tuple(config.layers)
+        self._caps = frozenset(config.capabilities)
+        self._main_limit, self._indexer_limit = self._destination_limits(self._layers)
+        self._sessions: OrderedDict[str, _Session] = OrderedDict()
+        self._peers: dict[bytes, str] = {}
+        self._requests: dict[str, _Request] = {}
+        # Load deadlines of active requests, in the order they were set (= deadline order).
+        self._deadlines: OrderedDict[str, float] = OrderedDict()
+        self._reads: dict[int, _Readiness] = {}
+        self._parked: dict[int, _Parked] = {}
+        self._waiting: dict[str, set[int]] = {}  # unknown request id -> parked ids
+        self._retired: OrderedDict[str, None] = OrderedDict()
+        self._next_read_id = 1
+        self._next_park_id = 1
+        self._out: list[Output] = []
+        self._aborts: dict[str, tuple[list[str], str]] = {}
+
+    @staticmethod
+    def _destination_limits(
+        layers: Sequence[tuple[str, DestinationLayout]],
+    ) -> tuple[int | None, int | None]:
+        """The block-id bounds a request's destination ids must respect on every layer."""
+        main = [n for _, d in layers for n in (d.k.num_blocks, d.v.num_blocks)]
+        idx = [c.num_blocks for _, d in layers for c in (d.indexer, d.scale) if c is not None]
+        return (min(main) if main else None), (min(idx) if idx else None)
+
+    # -- views (for invariant checks and metrics) ------------------------------------------
+
+    def requests(self) -> dict[str, str]:
+        """``{external request id: state}`` of every request this rank holds."""
+        return {ext: req.state for ext, req in self._requests.items()}
+
+    def in_flight_reads(self) -> dict[int, tuple[str, ...]]:
+        """``{read_id: request ids whose blocks the read writes}`` of every read in flight."""
+        return {rid: tuple(r.ext_id for r in rd.in_plan) for rid, rd in self._reads.items()}
+
+    def parked(self) -> dict[int, tuple[str, ...]]:
+        """``{park id: request ids still awaited}`` of every parked readiness or abort."""
+        return {pid: tuple(sorted(p.missing)) for pid, p in self._parked.items()}
+
+    def sessions(self) -> dict[str, str]:
+        """``{Prefill session: state}``."""
+        return {name: s.state for name, s in self._sessions.items()}
+
+    def in_flight_count(self, ext_req_id: str) -> int:
+        """Reads in flight that write ``ext_req_id``'s blocks (0 for an unknown request)."""
+        req = self._requests.get(ext_req_id)
+        return 0 if req is None else req.in_flight
+
+    def is_idle(self) -> bool:
+        """Whether no per-request state is left (requests, reads, parked messages)."""
+        return not (self._requests or self._reads or self._parked or self._deadlines)
+
+    # -- timers ----------------------------------------------------------------------------
+
+    def get_timer(self) -> float | None:
+        """The earliest deadline, or ``None`` when nothing waits on time."""
+        times = [p.deadline for p in self._parked.values()]
+        if self._deadlines:
+            times.append(next(iter(self._deadlines.values())))
+        return min(times) if times else None
+
+    def handle_timer(self, now: float) -> list[Output]:
+        """Handle every deadline at or before ``now``.
+
+        Parked readiness past its bound is served with its still-unknown requests
+        isolated (or refused, past its lease); a request with no progress for
+        ``kv_load_timeout_s`` fails with ``TIMEOUT`` and its v2 peers get ABORT.
+        """
+        for pid in [pid for pid, p in self._parked.items() if p.deadline <= now]:
+            item = self._parked.get(pid)
+            if item is None:  # served meanwhile by an earlier one in this loop
+                continue
+            self._unpark(item)
+            self.stats.park_expired += 1
+            if isinstance(item, _Readiness):
+                self._readiness_step(item, M_TIMER_PARK_EXPIRED)
+                self._serve(item, now, allow_park=False)
+        while self._deadlines:
+            ext, deadline = next(iter(self._deadlines.items()))
+            if deadline > now:
+                break
+            req = self._requests[ext]
+            self.stats.load_timeouts += 1
+            self._request_event(
+                req,
+                R_TIMER_LOAD_TIMEOUT,
+                now,
+                ErrorCode.TIMEOUT,
+                f"no KV progress for {self.config.kv_load_timeout_s} s",
+            )
+        return self._flush()
+
+    # -- local inputs ----------------------------------------------------------------------
+
+    def add_request(
+        self,
+        ext_req_id: str,
+        main_block_ids: Sequence[int],
+        indexer_block_ids: Sequence[int],
+        now: float,
+        *,
+        advertised: bool = True,
+    ) -> list[Output]:
+        """Register a request's destination block ids (logical order) on this rank.
+
+        ``advertised``: the rendezvous was posted already (the usual case); otherwise
+        call :meth:`advertise` later. Readiness parked for the request is served now.
+        Raises :class:`LocalProtocolError` for an id already held or a block id outside
+        the destination layout.
+        """
+        if ext_req_id in self._requests:
+            raise LocalProtocolError(f"request {ext_req_id!r} is already registered")
+        main, idx = list(main_block_ids), list(indexer_block_ids)
+        limits = (("main", main, self._main_limit), ("indexer", idx, self._indexer_limit))
+        for what, ids, limit in limits:
+            if ids and (min(ids) < 0 or (limit is not None and max(ids) >= limit)):
+                raise LocalProtocolError(
+                    f"request {ext_req_id!r}: {what} destination block ids must lie in "
+                    f"[0, {limit}), got {min(ids)}..{max(ids)}",
+                    ErrorCode.DESTINATION_RANGE,
+                )
+        self._retired.pop(ext_req_id, None)
+        req = _Request(ext_req_id, main, idx)
+        self._requests[ext_req_id] = req
+        self._touch(req, now)
+        if advertised:
+            self._request_event(req, R_LOCAL_ADVERTISE, now)
+        self._resolve_waiting(ext_req_id, now)
+        return self._flush()
+
+    def advertise(self, ext_req_id: str, now: float) -> list[Output]:
+        """The request's rendezvous was posted (for ``add_request(advertised=False)``)."""
+        req = self._known(ext_req_id)
+        self._request_event(req, R_LOCAL_ADVERTISE, now)
+        self._touch(req, now)
+        return self._flush()
+
+    def abort(self, ext_ids: Iterable[str], reason: str, now: float) -> list[Output]:
+        """Abort requests locally: each fails (``ABORTED``) and its v2 peers get ABORT.
+
+        Ids this rank does not hold are remembered as retired, so readiness for them is
+        refused instead of parked.
+        """
+        for ext in _unique(ext_ids):
+            req = self._requests.get(ext)
+            if req is None:
+                self._retire(ext, now)
+            else:
+                self._request_event(req, R_LOCAL_ABORT, now, ErrorCode.ABORTED, reason)
+        return self._flush()
+
+    def release(self, ext_req_id: str, now: float) -> list[Output]:
+        """vLLM finished the request (``request_finished``).
+
+        The blocks may be freed now if and only if the returned outputs contain
+        ``Releasable(ext_req_id)``; otherwise a read may still write them, and a later
+        output (from :meth:`read_finished`) says when. A request released before its KV
+        arrived ends as aborted (``RequestFailed`` + ABORT to its v2 peers).
+        """
+        req = self._requests.get(ext_req_id)
+        if req is None:
+            self._retire(ext_req_id, now)
+            self._out.append(Releasable(ext_req_id))
+        else:
+            event = R_LOCAL_RELEASE if req.in_flight == 0 else R_LOCAL_RELEASE_BUSY
+            self._request_event(
+                req, event, now, ErrorCode.ABORTED, "released by vLLM before its KV arrived"
+            )
+        return self._flush()
+
+    def read_finished(self, read_id: int, error: TransferError | None, now: float) -> list[Output]:
+        """A :class:`StartRead` ended: ``error`` is ``None`` on success.
+
+        Raises :class:`LocalProtocolError` for a ``read_id`` not in flight.
+        """
+        rd = self._reads.pop(read_id, None)
+        if rd is None:
+            raise LocalProtocolError(f"read {read_id} is not in flight")
+        if error is None:
+            self._read_succeeded(rd, now)
+        elif self._may_retry(rd, error, now):
+            self._retry(rd, now)
+        else:
+            self._read_failed(rd, error, now)
+        return self._flush()
+
+    # -- peer input ------------------------------------------------------------------------
+
+    def receive_frame(self, peer: bytes, frame: bytes, now: float) -> list[Output]:
+        """Decode one frame from ``peer`` and handle it; never raises.
+
+        A frame that does not decode is counted; if it is a readiness whose ``layer_idx``
+        (and ``seq``, when present) can be read, it still gets a failure reply and the
+        known requests it names fail, so no Prefill gate waits for it.
+        """
+        try:
+            msg = decode(frame)
+        except RemoteProtocolError as exc:
+            self.stats.malformed_frames += 1
+            ident = _identify_readiness(frame)
+            if ident is None:
+                self.stats.dropped += 1
+                return []
+            layer_idx, seq, ids = ident
+            self.stats.layer_failures += 1
+            self._out.append(
+                Reply(peer, self._failure_reply(layer_idx, seq, exc.code, exc.message))
+            )
+            self._fail_known(ids, now, exc.code, f"malformed readiness: {exc.message}")
+            return self._flush()
+        return self.receive(peer, msg, now)
+
+    def receive(self, peer: bytes, msg: Message, now: float) -> list[Output]:
+        """Handle one decoded message from ``peer``; never raises."""
+        try:
+            if isinstance(msg, ReadReadyBatch):
+                self._on_readiness(peer, msg, now)
+            elif isinstance(msg, MfMeta):
+                self._on_mf_meta(peer, msg)
+            elif isinstance(msg, Abort):
+                self._on_abort(peer, msg, now)
+            else:
+                self.stats.unexpected_messages += 1
+        except ProtocolError:
+            # A table miss provoked by peer input: a bug on our side, but the loop lives on.
+            self.stats.protocol_errors += 1
+        return self._flush()
+
+    # -- handshake -------------------------------------------------------------------------
+
+    def _on_mf_meta(self, peer: bytes, msg: MfMeta) -> None:
+        v2 = msg.protocol_version is not None and msg.protocol_version >= 2
+        error: tuple[ErrorCode, str] | None = None
+        layers: dict[str, LayerLayout] = {}
+        try:
+            layers = decode_layer_metadata(msg.encoded_layer_metadata)
+        except RemoteProtocolError as exc:
+            error = (exc.code, f"layer metadata refused: {exc.message}")
+        ours = self.config.compat
+        if error is None and v2 and ours is not None and msg.compat not in (None, ours):
+            error = (
+                ErrorCode.INCOMPATIBLE,
+                f"compat mismatch: Prefill has {msg.compat!r}, Decode has {ours!r}",
+            )
+        if error is None:
+            event = S_RECV_MF_META_V2 if v2 else S_RECV_MF_META_V1
+        else:
+            event = S_RECV_MF_META_BAD_V2 if v2 else S_RECV_MF_META_BAD_V1
+        session = self._bind(peer, msg.p_session)
+        effect, session.state = DECODE_SESSION.step(session.state, event, RemoteProtocolError)
+        session.validated = {}
+        session.layers = layers
+        session.caps = frozenset(msg.capabilities or ()) & self._caps if v2 else frozenset()
+        if effect == EFFECT_ACK_V1:
+            self.stats.handshakes += 1
+            self._out.append(Reply(peer, Ack(kind=TAG_ACK_V1)))
+        elif effect == EFFECT_ACK_V2:
+            self.stats.handshakes += 1
+            self._out.append(Reply(peer, self._ack()))
+        else:
+            assert error is not None
+            session.refusal = error
+            self.stats.refused_handshakes += 1
+            if effect != EFFECT_DROP:  # v2: say why; a v1 peer has no refusal shape
+                code, text = error
+                self._out.append(Reply(peer, self._ack(error_code=int(code), error=_clip(text))))
+
+    def _ack(self, error_code: int | None = None, error: str | None = None) -> Ack:
+        caps: list[str] = [c for c in ALL_CAPABILITIES if c in self._caps]
+        return Ack(
+            protocol_version=PROTOCOL_VERSION, capabilities=caps, error_code=error_code, error=error
+        )
+
+    def _bind(self, peer: bytes, name: str) -> _Session:
+        """The session ``name``, now reached through ``peer`` (created if new)."""
+        session = self._sessions.get(name)
+        if session is None:
+            session = _Session(name)
+            self._sessions[name] = session
+            while len(self._sessions) > self.config.max_sessions:
+                _, old = self._sessions.popitem(last=False)
+                if old.peer is not None:
+                    self._peers.pop(old.peer, None)
+        else:
+            self._sessions.move_to_end(name)
+        previous = self._peers.get(peer)
+        if previous is not None and previous != name:
+            other = self._sessions.get(previous)
+            if other is not None and other.peer == peer:
+                other.peer = None
+        if session.peer is not None and session.peer != peer:
+            self._peers.pop(session.peer, None)
+        session.peer = peer
+        self._peers[peer] = name
+        return session
+
+    def _session_of(self, peer: bytes) -> _Session | None:
+        name = self._peers.get(peer)
+        return None if name is None else self._sessions.get(name)
+
+    # -- abort from Prefill ----------------------------------------------------------------
+
+    def _on_abort(self, peer: bytes, msg: Abort, now: float) -> None:
+        session = self._session_of(peer)
+        state = SESSION_UNBOUND if session is None else session.state
+        effect, _ = DECODE_SESSION.step(state, S_RECV_ABORT, RemoteProtocolError)
+        if effect == EFFECT_DROP or session is None:
+            self.stats.dropped += 1
+            return
+        self.stats.aborts_received += 1
+        reason = f"aborted by Prefill: {msg.reason}" if msg.reason else "aborted by Prefill"
+        missing: set[str] = set()
+        for ext in _unique(msg.ext_ids):
+            req = self._requests.get(ext)
+            if req is not None:
+                self._request_event(
+                    req, R_RECV_ABORT, now, ErrorCode.ABORTED, reason, exclude=session.name
+                )
+            elif ext not in self._retired:
+                missing.add(ext)
+        if missing:
+            # The abort outran the worker too: apply it when the request arrives.
+            parked = _ParkedAbort(session.name, missing, reason, now + self.config.park_timeout_s)
+            if not self._park(parked):
+                self.stats.dropped += 1
+
+    # -- readiness -------------------------------------------------------------------------
+
+    def _on_readiness(self, peer: bytes, msg: ReadReadyBatch, now: float) -> None:
+        session = self._session_of(peer)
+        state = SESSION_UNBOUND if session is None else session.state
+        effect, _ = DECODE_SESSION.step(state, S_RECV_READINESS, RemoteProtocolError)
+        rd = _Readiness(peer, "" if session is None else session.name, msg, now)
+        if effect == EFFECT_REPLY_UNKNOWN_SESSION:
+            self.stats.unknown_session += 1
+            # A v2 Prefill (seq present) re-handshakes and replays this message once, so
+            # its requests stay alive; a v1 one never replays, so they cannot complete.
+            self._refuse(
+                rd,
+                now,
+                ErrorCode.UNKNOWN_SESSION,
+                "no MF_META handshake on this connection",
+                fail_known=msg.seq is None,
+            )
+        elif effect == EFFECT_REPLY_REFUSED:
+            assert session is not None
+            code, text = session.refusal
+            self._refuse(rd, now, code, f"handshake refused: {text}")
+        else:
+            self._serve(rd, now, allow_park=True)
+
+    def _serve(self, rd: _Readiness, now: float, *, allow_park: bool) -> None:
+        """Serve one readiness (received, or leaving the park)."""
+        msg = rd.msg
+        session = self._sessions.get(rd.session)
+        if session is None:  # only after parking: the session was forgotten meanwhile
+            self._refuse(rd, now, ErrorCode.UNKNOWN_SESSION, "the Prefill session is gone")
+            return
+        if session.state not in SESSION_READY:  # only after parking: a new handshake failed
+            code, text = session.refusal
+            self._refuse(rd, now, code, f"handshake refused: {text}")
+            return
+        rd.caps = session.caps
+        if msg.layer_idx >= len(self._layers):
+            self._refuse(
+                rd,
+                now,
+                ErrorCode.UNKNOWN_LAYER,
+                f"layer index {msg.layer_idx} is outside Decode's {len(self._layers)} layers",
+            )
+            return
+        local_name, dst = self._layers[msg.layer_idx]
+        src = session.layers.get(msg.layer_name)
+        if src is None:
+            self._refuse(
+                rd,
+                now,
+                ErrorCode.UNKNOWN_LAYER,
+                f"layer {msg.layer_name!r} is not in the session's MF_META layout",
+            )
+            return
+        key = (msg.layer_idx, msg.layer_name)
+        comps = session.validated.get(key)
+        if comps is None:
+            try:
+                comps = validate_layer(msg.layer_name, src, dst)
+            except LayoutMismatch as exc:
+                comps = exc
+            session.validated[key] = comps
+        if isinstance(comps, LayoutMismatch):
+            self._refuse(rd, now, ErrorCode.LAYOUT_MISMATCH, comps.message)
+            return
+        if allow_park:
+            missing = {
+                ext
+                for ext in _message_ids(msg)
+                if ext not in self._requests and ext not in self._retired
+            }
+            if missing:
+                rd.missing = missing
+                rd.deadline = now + self.config.park_timeout_s
+                if rd.start_by is not None:
+                    rd.deadline = min(rd.deadline, rd.start_by)
+                if self._park(rd):
+                    self._readiness_step(rd, M_LOCAL_PARK)
+                    return
+                rd.missing = set()
+        if rd.start_by is not None and now > rd.start_by:
+            self.stats.expired_leases += 1
+            self._refuse(
+                rd,
+                now,
+                ErrorCode.LEASE_EXPIRED,
+                f"less than half of the {msg.lease_ms} ms lease was left to start the read",
+            )
+            return
+        main, indexer = comps
+        self._plan(rd, session, src, local_name, main, indexer, now)
+
+    def _plan(
+        self,
+        rd: _Readiness,
+        session: _Session,
+        src: LayerLayout,
+        local_name: str,
+        main: tuple[ComponentAddrs, ...],
+        indexer: tuple[ComponentAddrs, ...],
+        now: float,
+    ) -> None:
+        msg = rd.msg
+        counts: dict[str, int] = {}
+        for rr in msg.read_reqs:
+            counts[rr.ext_req_id] = counts.get(rr.ext_req_id, 0) + 1
+        reads: list[RequestRead] = []
+        entries: list[tuple[str, ReadReq | None]] = [(rr.ext_req_id, rr) for rr in msg.read_reqs]
+        entries += [(ext, None) for ext in _unique(msg.done_ext_ids) if ext not in counts]
+        handled: set[str] = set()
+        for ext, entry in entries:
+            if ext in handled:
+                continue
+            handled.add(ext)
+            req = self._requests.get(ext)
+            if req is None:
+                self._isolate(rd, ext, ErrorCode.UNKNOWN_REQUEST, "unknown request")
+                continue
+            effect, _ = DECODE_REQUEST.step(req.state, R_RECV_READINESS)
+            if effect == EFFECT_ISOLATE:
+                self._isolate(rd, ext, *self._not_waiting(req))
+                continue
+            try:
+                if counts.get(ext, 0) > 1:
+                    raise RemoteProtocolError("the request appears more than once in the message")
+                if req.contributors is not None:
+                    req.contributors.check_ratio(msg.tp_ratio)
+                read = None if entry is None else self._share(req, entry, src, msg, bool(indexer))
+            except ProtocolError as exc:
+                self._isolate(rd, ext, exc.code, exc.message)
+                self._request_event(req, R_LOCAL_FAIL, now, exc.code, exc.message)
+                continue
+            self._request_event(req, R_RECV_READINESS, now)
+            req.sessions.add(session.name)
+            if req.contributors is None:
+                req.contributors = ContributorSet(msg.tp_ratio)
+            rd.accepted.append(req)
+            if read is not None and (read.main_src or read.indexer_src):
+                reads.append(read)
+                rd.in_plan.append(req)
+        if not reads:
+            self._readiness_step(rd, M_LOCAL_NOTHING_TO_READ)
+            self._complete_success(rd, now)
+            return
+        read_id = self._next_read_id
+        self._next_read_id += 1
+        rd.plan = ReadPlan(read_id, session.name, local_name, main, indexer, tuple(reads))
+        rd.retries_left = self.config.max_read_retries
+        for req in rd.in_plan:
+            req.in_flight += 1
+        self._reads[read_id] = rd
+        self._readiness_step(rd, M_LOCAL_START_READ)
+        self.stats.reads_started += 1
+        self._out.append(StartRead(rd.plan, rd.start_by))
+
+    def _share(
+        self,
+        req: _Request,
+        rr: ReadReq,
+        src: LayerLayout,
+        msg: ReadReadyBatch,
+        has_indexer: bool,
+    ) -> RequestRead:
+        """This rank's blocks of one readiness entry, mapped to the request's own ids."""
+        member, cfg = msg.group_member_idx, self.config
+        main_ids = rr.main_block_ids
+        start, end = main_share(len(main_ids), cfg.d_rank, cfg.d_tp, rr.main_start_block, member)
+        main_src: Sequence[int] = ()
+        main_dst: Sequence[int] = ()
+        if member == 0:
+            base, _ = check_destination_range(
+                req.ext_id, "main", rr.main_start_block, len(main_ids), len(req.main_ids)
+            )
+            main_src = main_ids[start:end]
+            main_dst = req.main_ids[base + start : base + end]
+            _check_source(msg.layer_name, "main", main_src, src.num_blocks)
+        idx_src: Sequence[int] = ()
+        idx_dst: Sequence[int] = ()
+        if has_indexer:
+            idx_ids = rr.indexer_ids
+            base, _ = check_destination_range(
+                req.ext_id, "indexer", rr.indexer_start_block, len(idx_ids), len(req.indexer_ids)
+            )
+            start, end = indexer_share(len(idx_ids), member, msg.tp_ratio, rr.indexer_start_block)
+            idx_src = idx_ids[start:end]
+            idx_dst = req.indexer_ids[base + start : base + end]
+            _check_source(msg.layer_name, "indexer", idx_src, src.num_blocks)
+        return RequestRead(req.ext_id, main_src, main_dst, idx_src, idx_dst)
+
+    def _not_waiting(self, req: _Request) -> tuple[ErrorCode, str]:
+        """Why readiness for a request that stopped waiting is refused."""
+        if req.state == REQ_DONE:
+            return ErrorCode.UNKNOWN_REQUEST, "the request already completed on this rank"
+        if req.state == REQ_ABORTED:
+            return ErrorCode.ABORTED, "the request was aborted"
+        if req.state == REQ_RELEASE_PENDING:
+            return ErrorCode.ABORTED, "the request was released"
+        return req.fail_code, f"the request already failed: {req.fail_message}"
+
+    def _isolate(self, rd: _Readiness, ext: str, code: ErrorCode, text: str) -> None:
+        self.stats.isolated_requests += 1
+        rd.isolated.append(FailedRequest(ext, int(code), _clip(text)))
+
+    # -- read outcomes ---------------------------------------------------------------------
+
+    def _read_succeeded(self, rd: _Readiness, now: float) -> None:
+        self._readiness_step(rd, M_LOCAL_READ_OK)
+        for req in rd.in_plan:
+            req.in_flight -= 1
+            self._request_event(req, R_LOCAL_READ_OK, now)
+        self._complete_success(rd, now)
+        self._release_quiescent(rd.in_plan, now)
+
+    def _complete_success(self, rd: _Readiness, now: float) -> None:
+        """Reply done, count the message's done signals, complete what can complete."""
+        self._reply_done(rd)
+        msg = rd.msg
+        accepted = {req.ext_id: req for req in rd.accepted}
+        for ext in _unique(msg.done_ext_ids):
+            req = accepted.get(ext)
+            if req is None or req.state != REQ_RECEIVING or self._requests.get(ext) is not req:
+                continue
+            assert req.contributors is not None
+            if req.contributors.report(msg.group_member_idx) == EFFECT_IGNORE_DUPLICATE:
+                self.stats.duplicate_done += 1
+        for req in rd.accepted:
+            if (
+                req.state == REQ_RECEIVING
+                and req.in_flight == 0
+                and req.contributors is not None
+                and req.contributors.complete
+            ):
+                self._request_event(req, R_LOCAL_ALL_DONE, now)
+
+    def _may_retry(self, rd: _Readiness, error: TransferError, now: float) -> bool:
+        return (
+            error.transient
+            and error.code != ErrorCode.LEASE_EXPIRED
+            and rd.retries_left > 0
+            and (rd.start_by is None or now <= rd.start_by)
+            and any(req.state == REQ_RECEIVING for req in rd.in_plan)
+        )
+
+    def _retry(self, rd: _Readiness, now: float) -> None:
+        """Start the read again for the requests still receiving."""
+        assert rd.plan is not None
+        keep = [req for req in rd.in_plan if req.state == REQ_RECEIVING]
+        gone = [req for req in rd.in_plan if req.state != REQ_RECEIVING]
+        for req in gone:
+            req.in_flight -= 1
+        self._release_quiescent(gone, now)
+        kept = {req.ext_id for req in keep}
+        read_id = self._next_read_id
+        self._next_read_id += 1
+        rd.plan = dataclasses.replace(
+            rd.plan,
+            read_id=read_id,
+            requests=tuple(r for r in rd.plan.requests if r.ext_req_id in kept),
+        )
+        rd.in_plan = keep
+        rd.retries_left -= 1
+        self._reads[read_id] = rd
+        self._readiness_step(rd, M_LOCAL_READ_RETRY)
+        self.stats.read_retries += 1
+        self._out.append(StartRead(rd.plan, rd.start_by))
+
+    def _read_failed(self, rd: _Readiness, error: TransferError, now: float) -> None:
+        self.stats.reads_failed += 1
+        code = error.code
+        if code == ErrorCode.LEASE_EXPIRED:
+            self.stats.expired_leases += 1
+        self._readiness_step(rd, M_LOCAL_READ_FAILED)
+        text = f"batched read failed: {error.message}"
+        if error.backend_code is not None:
+            text += f" (backend code {error.backend_code})"
+        self._out.append(
+            Reply(rd.peer, self._failure_reply(rd.msg.layer_idx, rd.msg.seq, code, text))
+        )
+        for req in rd.in_plan:
+            req.in_flight -= 1
+        for req in rd.accepted:
+            self._request_event(req, R_LOCAL_FAIL, now, code, text)
+        self._release_quiescent(rd.in_plan, now)
+
+    def _release_quiescent(self, reqs: Iterable[_Request], now: float) -> None:
+        for req in reqs:
+            if req.state == REQ_RELEASE_PENDING and req.in_flight == 0:
+                self._request_event(req, R_LOCAL_QUIESCENT, now)
+
+    # -- replies ---------------------------------------------------------------------------
+
+    def _reply_done(self, rd: _Readiness) -> None:
+        msg = rd.msg
+        if msg.seq is None:
+            reply = ReadDone(layer_idx=msg.layer_idx)
+        else:
+            failed: list[FailedRequest] | None = None
+            if rd.isolated and CAP_ISOLATE in rd.caps:
+                failed = rd.isolated[:MAX_REQUESTS_PER_BATCH]
+                if sum(len(f.ext_req_id) + len(f.message) for f in failed) > _REPLY_TEXT_BUDGET:
+                    failed = [FailedRequest(f.ext_req_id, f.code) for f in failed]
+            reply = ReadDone(layer_idx=msg.layer_idx, seq=msg.seq, failed=failed)
+        self._out.append(Reply(rd.peer, reply))
+
+    def _reply_failed(self, rd: _Readiness, code: ErrorCode, text: str) -> None:
+        reply = self._failure_reply(rd.msg.layer_idx, rd.msg.seq, code, text)
+        self._out.append(Reply(rd.peer, reply))
+
+    @staticmethod
+    def _failure_reply(layer_idx: int, seq: int | None, code: ErrorCode, text: str) -> ReadFailed:
+        if seq is None:  # v1 shape
+            return ReadFailed(layer_idx=layer_idx, error=_clip(text))
+        return ReadFailed(layer_idx=layer_idx, error=_clip(text), seq=seq, code=int(code))
+
+    def _refuse(
+        self, rd: _Readiness, now: float, code: ErrorCode, text: str, *, fail_known: bool = True
+    ) -> None:
+        """Fail the whole readiness: reply read_failed, fail every known request it names."""
+        self._readiness_step(rd, M_LOCAL_REFUSE)
+        self.stats.layer_failures += 1
+        self._out.append(
+            Reply(rd.peer, self._failure_reply(rd.msg.layer_idx, rd.msg.seq, code, text))
+        )
+        if fail_known:
+            self._fail_known(_message_ids(rd.msg), now, code, text)
+
+    def _fail_known(self, ids: Iterable[str], now: float, code: ErrorCode, text: str) -> None:
+        for ext in ids:
+            req = self._requests.get(ext)
+            if req is not None:
+                self._request_event(req, R_LOCAL_FAIL, now, code, text)
+
+    # -- parking ---------------------------------------------------------------------------
+
+    def _park(self, item: _Parked) -> bool:
+        if len(self._parked) >= self.config.max_parked:
+            self.stats.park_overflow += 1
+            return False
+        item.park_id = self._next_park_id
+        self._next_park_id += 1
+        self._parked[item.park_id] = item
+        for ext in item.missing:
+            self._waiting.setdefault(ext, set()).add(item.park_id)
+        self.stats.parked += 1
+        return True
+
+    def _unpark(self, item: _Parked) -> None:
+        del self._parked[item.park_id]
+        for ext in item.missing:
+            waiting = self._waiting.get(ext)
+            if waiting is not None:
+                waiting.discard(item.park_id)
+                if not waiting:
+                    del self._waiting[ext]
+        item.missing = set()
+
+    def _resolve_waiting(self, ext: str, now: float) -> None:
+        """``ext`` became known (added or retired): serve what waited only for it."""
+        waiting = self._waiting.pop(ext, None)
+        if not waiting:
+            return
+        for pid in sorted(waiting):  # arrival order
+            item = self._parked.get(pid)
+            if item is None:
+                continue
+            item.missing.discard(ext)
+            if isinstance(item, _ParkedAbort):
+                req = self._requests.get(ext)
+                if req is not None:
+                    self._request_event(
+                        req, R_RECV_ABORT, now, ErrorCode.ABORTED, item.reason, exclude=item.session
+                    )
+                if not item.missing:
+                    self._unpark(item)
+            elif not item.missing:
+                self._unpark(item)
+                self._readiness_step(item, M_LOCAL_UNPARK)
+                self._serve(item, now, allow_park=False)
+
+    def _retire(self, ext: str, now: float) -> None:
+        """Remember ``ext`` as finished here: readiness for it is refused, not parked."""
+        self._retired[ext] = None
+        self._retired.move_to_end(ext)
+        while len(self._retired) > self.config.max_retired:
+            self._retired.popitem(last=False)
+        self._resolve_waiting(ext, now)
+
+    # -- request machine -------------------------------------------------------------------
+
+    def _known(self, ext: str) -> _Request:
+        req = self._requests.get(ext)
+        if req is None:
+            raise LocalProtocolError(f"request {ext!r} is not registered")
+        return req
+
+    def _touch(self, req: _Request, now: float) -> None:
+        """Restart the request's load timer (it made progress)."""
+        self._deadlines[req.ext_id] = now + self.config.kv_load_timeout_s
+        self._deadlines.move_to_end(req.ext_id)
+
+    def _request_event(
+        self,
+        req: _Request,
+        event: str,
+        now: float,
+        code: ErrorCode = ErrorCode.UNKNOWN,
+        text: str = "",
+        *,
+        exclude: str | None = None,
+    ) -> None:
+        """Step ``req``'s machine with ``event`` and perform the effect."""
+        effect, req.state = DECODE_REQUEST.step(req.state, event)
+        if effect in (EFFECT_ACCEPT, EFFECT_PROGRESS):
+            self._touch(req, now)
+        elif effect == EFFECT_REPORT_DONE:
+            self._deadlines.pop(req.ext_id, None)
+            self.stats.requests_done += 1
+            self._out.append(RequestDone(req.ext_id))
+        elif effect in (EFFECT_FAIL, EFFECT_FAIL_RELEASE, EFFECT_FAIL_HOLD):
+            self._fail(req, code, text, exclude)
+            if effect == EFFECT_FAIL_RELEASE:
+                self._released(req, now)
+        elif effect == EFFECT_RELEASE:
+            self._released(req, now)
+
+    def _fail(self, req: _Request, code: ErrorCode, text: str, exclude: str | None) -> None:
+        self._deadlines.pop(req.ext_id, None)
+        req.fail_code, req.fail_message = code, text
+        self.stats.requests_failed += 1
+        self._out.append(
+            RequestFailed(req.ext_id, code, text, tuple(req.main_ids), tuple(req.indexer_ids))
+        )
+        reason = f"{code.name}: {text}"
+        for name in sorted(req.sessions):
+            if name != exclude:
+                ids, _ = self._aborts.setdefault(name, ([], reason))
+                ids.append(req.ext_id)
+
+    def _released(self, req: _Request, now: float) -> None:
+        del self._requests[req.ext_id]
+        self._deadlines.pop(req.ext_id, None)
+        self._out.append(Releasable(req.ext_id))
+        self._retire(req.ext_id, now)
+
+    def _readiness_step(self, rd: _Readiness, event: str) -> None:
+        _effect, rd.state = DECODE_READINESS.step(rd.state, event)
+
+    # -- output ----------------------------------------------------------------------------
+
+    def _flush(self) -> list[Output]:
+        """Hand out the outputs of this call, ABORTs grouped per peer at the end."""
+        out, self._out = self._out, []
+        for name, (ids, reason) in self._aborts.items():
+            session = self._sessions.get(name)
+            if (
+                session is None
+                or session.peer is None
+                or session.state != SESSION_V2
+                or CAP_ABORT not in session.caps
+            ):
+                continue
+            for i in range(0, len(ids), MAX_REQUESTS_PER_BATCH):
+                chunk = ids[i : i + MAX_REQUESTS_PER_BATCH]
+                out.append(SendAbort(session.peer, Abort(ext_ids=chunk, reason=_clip(reason))))
+                self.stats.aborts_sent += 1
+        self._aborts = {}
+        return out

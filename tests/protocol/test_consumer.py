@@ -1,0 +1,1207 @@
+"""The Decode endpoint (ConsumerEndpoint), driven with hand-built Prefill messages.
+
+Messages go through the codec (``encode`` then ``receive_frame``) so what is tested is
+what a peer's bytes do; replies are encoded too, to check their wire shape (v1 replies
+must carry only v1 fields).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rd2h_protocol.codec import decode, encode
+from rd2h_protocol.consumer import (
+    CONSUMER_MACHINES,
+    ConsumerConfig,
+    ConsumerEndpoint,
+    Output,
+    Releasable,
+    Reply,
+    RequestDone,
+    RequestFailed,
+    SendAbort,
+    StartRead,
+)
+from rd2h_protocol.errors import (
+    ConfigError,
+    ErrorCode,
+    LocalProtocolError,
+    TransferError,
+)
+from rd2h_protocol.layout import (
+    ComponentDest,
+    DestinationLayout,
+    LayerLayout,
+    encode_layer_metadata,
+)
+from rd2h_protocol.messages import (
+    ALL_CAPABILITIES,
+    CAP_ABORT,
+    CAP_SEQ,
+    TAG_ACK_V1,
+    TAG_READ_READY_BATCH,
+    Abort,
+    Ack,
+    MfMeta,
+    ReadDone,
+    ReadFailed,
+    ReadReadyBatch,
+    ReadReq,
+)
+from rd2h_protocol.plan import ReadPlan
+from rd2h_protocol.topology import chunk_block_range, map_prefill_rank
+
+# -- fixtures ------------------------------------------------------------------------------
+
+K_BYTES, V_BYTES, IDX_BYTES, SCALE_BYTES = 1024, 1024, 128, 8
+P_BASES = (0x1000_0000, 0x2000_0000, 0x3000_0000, 0x4000_0000)
+D_BASES = (0x9000_0000, 0xA000_0000, 0xB000_0000, 0xC000_0000)
+NUM_LAYERS = 3
+LAYER_NAMES = [f"model.layers.{i}.self_attn" for i in range(NUM_LAYERS)]
+NUM_BLOCKS = 256
+PEER = b"peer-0"
+LAST = NUM_LAYERS - 1
+
+
+def src_layout(
+    *, tensors: int = 4, k_bytes: int = K_BYTES, num_blocks: int | None = NUM_BLOCKS
+) -> LayerLayout:
+    """Prefill's layout of one layer: K, V, indexer, scale (fewer with ``tensors``)."""
+    return LayerLayout(
+        base_addrs=list(P_BASES[:tensors]),
+        block_len=[k_bytes, V_BYTES, IDX_BYTES, SCALE_BYTES][:tensors],
+        tensor_group_idx=[0, 0, 1, 1][:tensors],
+        num_blocks=num_blocks,
+    )
+
+
+def dst_layout(*, indexer: bool = True, num_blocks: int = NUM_BLOCKS) -> DestinationLayout:
+    def comp(i: int, size: int) -> ComponentDest:
+        return ComponentDest(D_BASES[i], size, num_blocks)
+
+    return DestinationLayout(
+        k=comp(0, K_BYTES),
+        v=comp(1, V_BYTES),
+        indexer=comp(2, IDX_BYTES) if indexer else None,
+        scale=comp(3, SCALE_BYTES) if indexer else None,
+    )
+
+
+def config(d_rank: int = 0, d_tp: int = 1, **kw: Any) -> ConsumerConfig:
+    layers = kw.pop("layers", [(name, dst_layout()) for name in LAYER_NAMES])
+    return ConsumerConfig(d_rank=d_rank, d_tp=d_tp, layers=layers, **kw)
+
+
+def endpoint(d_rank: int = 0, d_tp: int = 1, **kw: Any) -> ConsumerEndpoint:
+    return ConsumerEndpoint(config(d_rank, d_tp, **kw))
+
+
+def meta(
+    session: str = "p0",
+    *,
+    v2: bool = True,
+    compat: str | None = None,
+    caps: Sequence[str] = ALL_CAPABILITIES,
+    layouts: dict[str, LayerLayout] | None = None,
+    blob: bytes | None = None,
+) -> MfMeta:
+    if blob is None:
+        blob = encode_layer_metadata(layouts or {name: src_layout() for name in LAYER_NAMES})
+    if not v2:
+        return MfMeta(p_session=session, encoded_layer_metadata=blob)
+    return MfMeta(
+        p_session=session,
+        encoded_layer_metadata=blob,
+        protocol_version=2,
+        capabilities=list(caps),
+        compat=compat,
+    )
+
+
+def rrb(
+    layer_idx: int,
+    reqs: Sequence[ReadReq],
+    *,
+    done: Sequence[str] = (),
+    member: int = 0,
+    ratio: int = 1,
+    seq: int | None = None,
+    lease_ms: int | None = None,
+) -> ReadReadyBatch:
+    return ReadReadyBatch(
+        layer_idx=layer_idx,
+        layer_name=LAYER_NAMES[layer_idx] if layer_idx < NUM_LAYERS else "model.layers.99",
+        read_reqs=list(reqs),
+        done_ext_ids=list(done),
+        group_member_idx=member,
+        tp_ratio=ratio,
+        seq=seq,
+        lease_ms=lease_ms,
+    )
+
+
+def rr(
+    ext: str, main: Sequence[int], idx: Sequence[int] | None = None, ms: int = 0, js: int = 0
+) -> ReadReq:
+    return ReadReq(ext, list(main), list(main if idx is None else idx), ms, js)
+
+
+def send(ep: ConsumerEndpoint, msg: Any, now: float = 0.0, peer: bytes = PEER) -> list[Output]:
+    """Deliver ``msg`` as its wire bytes; check every reply round-trips through the codec."""
+    outs = ep.receive_frame(peer, encode(msg), now)
+    for out in outs:
+        if isinstance(out, Reply | SendAbort):
+            assert decode(encode(out.msg)) == out.msg
+    return outs
+
+
+def of(outs: Sequence[Output], kind: type[Any]) -> list[Any]:
+    return [o for o in outs if isinstance(o, kind)]
+
+
+def only(outs: Sequence[Output], kind: type[Any]) -> Any:
+    found = of(outs, kind)
+    assert len(found) == 1, outs
+    return found[0]
+
+
+def replies(outs: Sequence[Output]) -> list[Any]:
+    return [o.msg for o in outs if isinstance(o, Reply)]
+
+
+def wire_len(msg: Any) -> int:
+    """Number of fields a message has on the wire."""
+    return len(msgspec.msgpack.decode(encode(msg)))
+
+
+def ready(v2: bool = True, **kw: Any) -> ConsumerEndpoint:
+    ep = endpoint(**kw)
+    send(ep, meta(v2=v2))
+    return ep
+
+
+def finish(
+    ep: ConsumerEndpoint,
+    outs: Sequence[Output],
+    now: float = 0.0,
+    error: TransferError | None = None,
+) -> list[Output]:
+    """Complete the one read ``outs`` started."""
+    start = only(outs, StartRead)
+    return ep.read_finished(start.plan.read_id, error, now)
+
+
+def request_ids(plan: ReadPlan) -> list[str]:
+    return [r.ext_req_id for r in plan.requests]
+
+
+# -- configuration -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kw", "needle"),
+    [
+        ({"d_tp": 0}, "d_tp"),
+        ({"d_rank": 2, "d_tp": 2}, "d_rank"),
+        ({"layers": [("a", dst_layout()), ("a", dst_layout())]}, "unique"),
+        ({"capabilities": ("seq", "teleport")}, "teleport"),
+        ({"kv_load_timeout_s": 0}, "kv_load_timeout_s"),
+        ({"park_timeout_s": -1}, "park_timeout_s"),
+        ({"max_parked": -1}, "max_parked"),
+        ({"max_sessions": 0}, "max_sessions"),
+    ],
+)
+def test_config_is_validated(kw: dict[str, Any], needle: str) -> None:
+    args: dict[str, Any] = {"d_rank": 0, "d_tp": 1}
+    args.update(kw)
+    with pytest.raises(ConfigError, match=needle):
+        config(**args)
+
+
+def test_consumer_machines_are_exported() -> None:
+    names = [m.name for m in CONSUMER_MACHINES]
+    assert names == [
+        "Decode request",
+        "Decode readiness",
+        "Decode session",
+        "contributor completion",
+        "cross-rank completion",
+    ]
+
+
+# -- handshake -----------------------------------------------------------------------------
+
+
+def test_v1_handshake_gets_raw_ack_and_v1_replies() -> None:
+    ep = endpoint()
+    outs = send(ep, meta(v2=False))
+    assert [encode(m) for m in replies(outs)] == [TAG_ACK_V1]
+    assert ep.sessions() == {"p0": "ready_v1"}
+    ep.add_request("r1", [10, 11], [20, 21], 0.0)
+    outs = send(ep, rrb(0, [rr("r1", [1, 2])]))
+    start = only(outs, StartRead)
+    assert start.start_by is None
+    reply = replies(ep.read_finished(start.plan.read_id, None, 0.1))[0]
+    assert reply == ReadDone(layer_idx=0)
+    assert encode(reply) == encode(ReadDone(layer_idx=0)) and wire_len(reply) == 2
+    assert ep.stats.handshakes == 1
+
+
+def test_v2_handshake_gets_ack_with_version_and_capabilities() -> None:
+    ep = endpoint(capabilities=(CAP_SEQ, CAP_ABORT))
+    outs = send(ep, meta(caps=["abort", "lease"]))
+    ack = replies(outs)[0]
+    assert ack == Ack(protocol_version=2, capabilities=[CAP_SEQ, CAP_ABORT])
+    assert not ack.is_v1
+    assert ep.sessions() == {"p0": "ready_v2"}
+
+
+def test_compat_mismatch_is_refused_naming_both_values() -> None:
+    ep = endpoint(compat="glm5-bf16-bs128-L1")
+    ack = replies(send(ep, meta(compat="glm5-fp8-bs64-L1")))[0]
+    assert ack.error_code == ErrorCode.INCOMPATIBLE
+    assert "glm5-fp8-bs64-L1" in ack.error and "glm5-bf16-bs128-L1" in ack.error
+    assert ep.sessions() == {"p0": "refused"}
+    assert ep.stats.refused_handshakes == 1
+    # Readiness on a refused session is answered with the refusal and fails its requests.
+    ep.add_request("r1", [0], [0], 0.0)
+    outs = send(ep, rrb(0, [rr("r1", [1])], seq=1))
+    failed = replies(outs)[0]
+    assert isinstance(failed, ReadFailed) and failed.code == ErrorCode.INCOMPATIBLE
+    assert failed.seq == 1
+    assert only(outs, RequestFailed).code == ErrorCode.INCOMPATIBLE
+
+
+def test_compat_accepted_when_equal_or_unstated() -> None:
+    ep = endpoint(compat="c1")
+    assert replies(send(ep, meta(compat="c1")))[0].error_code is None
+    assert replies(send(ep, meta("p1", compat=None)))[0].error_code is None
+
+
+def test_undecodable_layout_v2_is_refused_v1_is_dropped() -> None:
+    ep = endpoint()
+    ack = replies(send(ep, meta(blob=b"\xc1not msgpack")))[0]
+    assert ack.error_code == ErrorCode.MALFORMED and "layer metadata" in ack.error
+    assert send(ep, meta("p1", v2=False, blob=b"\xc1")) == []
+    assert ep.sessions() == {"p0": "refused", "p1": "refused"}
+    assert ep.stats.refused_handshakes == 2
+    # v1-shaped readiness on the refused v1 session: v1 read_failed.
+    reply = replies(send(ep, rrb(0, []), peer=PEER))[0]
+    assert isinstance(reply, ReadFailed) and wire_len(reply) == 3
+
+
+def test_rehandshake_from_new_identity_keeps_session_state() -> None:
+    ep = ready()
+    ep.add_request("r1", [0, 1], [0, 1], 0.0)
+    outs = send(ep, rrb(0, [rr("r1", [5, 6])], seq=1))
+    start = only(outs, StartRead)
+    # The Prefill reconnects with a new identity: same session, same request state.
+    send(ep, meta(), peer=b"peer-new")
+    assert ep.sessions() == {"p0": "ready_v2"}
+    # The old identity no longer maps to a session.
+    assert (
+        of(send(ep, rrb(1, [], seq=2), peer=PEER), Reply)[0].msg.code == ErrorCode.UNKNOWN_SESSION
+    )
+    # The reply to the read in flight goes where the readiness came from.
+    done = ep.read_finished(start.plan.read_id, None, 1.0)
+    assert only(done, Reply).peer == PEER
+    # Aborts go to the session's current identity.
+    outs = ep.abort(["r1"], "client went away", 2.0)
+    assert only(outs, SendAbort).peer == b"peer-new"
+
+
+def test_identity_reused_by_another_session_unbinds_the_first() -> None:
+    ep = ready()
+    ep.add_request("r1", [0], [0], 0.0)
+    only(send(ep, rrb(0, [rr("r1", [1])], seq=1)), StartRead)
+    send(ep, meta("p1"))  # same peer identity, a different Prefill process
+    outs = ep.abort(["r1"], "stop", 1.0)
+    # p0 has no identity any more: its abort cannot be sent.
+    assert of(outs, SendAbort) == []
+    assert ep.sessions() == {"p0": "ready_v2", "p1": "ready_v2"}
+
+
+def test_oldest_session_is_forgotten_beyond_max_sessions() -> None:
+    ep = endpoint(max_sessions=1)
+    send(ep, meta("p0"), peer=b"a")
+    send(ep, meta("p1"), peer=b"b")
+    assert ep.sessions() == {"p1": "ready_v2"}
+    reply = replies(send(ep, rrb(0, [], seq=3), peer=b"a"))[0]
+    assert reply.code == ErrorCode.UNKNOWN_SESSION
+    send(ep, meta("p1"), peer=b"b")  # re-handshake of a known session keeps it
+    assert ep.sessions() == {"p1": "ready_v2"}
+
+
+# -- equal TP ------------------------------------------------------------------------------
+
+
+def test_equal_tp_request_completes_after_final_layer_read() -> None:
+    ep = ready()
+    ep.add_request("r1", [40, 41, 42], [50, 51, 52], 0.0)
+    assert ep.requests() == {"r1": "advertised"}
+    for layer in range(NUM_LAYERS):
+        done = ["r1"] if layer == LAST else []
+        outs = send(
+            ep, rrb(layer, [rr("r1", [7, 8, 9], [3, 4, 5])], done=done, seq=layer + 1), now=layer
+        )
+        start = only(outs, StartRead)
+        plan = start.plan
+        assert plan.layer_name == LAYER_NAMES[layer] and plan.session == "p0"
+        assert [c.name for c in plan.main] == ["k", "v"]
+        assert [c.name for c in plan.indexer] == ["indexer", "scale"]
+        assert plan.main[0].src_base == P_BASES[0] and plan.main[0].dst_base == D_BASES[0]
+        (read,) = plan.requests
+        assert list(read.main_src) == [7, 8, 9] and list(read.main_dst) == [40, 41, 42]
+        assert list(read.indexer_src) == [3, 4, 5] and list(read.indexer_dst) == [50, 51, 52]
+        assert ep.requests() == {"r1": "receiving"}
+        assert ep.in_flight_reads() == {plan.read_id: ("r1",)}
+        outs = ep.read_finished(plan.read_id, None, layer + 0.5)
+        assert replies(outs) == [ReadDone(layer_idx=layer, seq=layer + 1)]
+        assert of(outs, RequestDone) == ([RequestDone("r1")] if layer == LAST else [])
+    assert ep.requests() == {"r1": "done_on_rank"}
+    assert ep.get_timer() is None  # a done request has no load timer
+    assert ep.release("r1", 5.0) == [Releasable("r1")]
+    assert ep.is_idle()
+    assert ep.stats.requests_done == 1 and ep.stats.reads_started == NUM_LAYERS
+
+
+def test_layer_without_indexer_reads_main_only() -> None:
+    layers = [(name, dst_layout(indexer=False)) for name in LAYER_NAMES]
+    ep = endpoint(layers=layers)
+    send(ep, meta(layouts={name: src_layout(tensors=2) for name in LAYER_NAMES}))
+    ep.add_request("r1", [0, 1], [], 0.0)  # no indexer destination at all
+    plan = only(send(ep, rrb(0, [ReadReq("r1", [4, 5])], seq=1)), StartRead).plan
+    assert plan.indexer == ()
+    assert list(plan.requests[0].indexer_src) == []
+    assert list(plan.requests[0].main_dst) == [0, 1]
+
+
+def test_zero_block_rank_still_acknowledges_and_counts_done() -> None:
+    ep = ready()
+    ep.add_request("r1", [], [], 0.0)
+    outs = send(ep, rrb(LAST, [rr("r1", [])], done=["r1"], seq=9))
+    assert of(outs, StartRead) == []
+    assert replies(outs) == [ReadDone(layer_idx=LAST, seq=9)]
+    assert of(outs, RequestDone) == [RequestDone("r1")]
+
+
+def test_done_id_without_entry_counts_after_successful_read() -> None:
+    ep = ready()
+    ep.add_request("r1", [0], [0], 0.0)
+    ep.add_request("r2", [1], [1], 0.0)
+    outs = send(ep, rrb(LAST, [rr("r1", [3])], done=["r1", "r2"], seq=1))
+    assert request_ids(only(outs, StartRead).plan) == ["r1"]
+    outs = finish(ep, outs)
+    assert sorted(o.ext_req_id for o in of(outs, RequestDone)) == ["r1", "r2"]
+
+
+# -- unequal TP ----------------------------------------------------------------------------
+
+
+def _chunk_reads(
+    ep: ConsumerEndpoint, member: int, ratio: int, entries: list[ReadReq], done: Sequence[str] = ()
+) -> ReadPlan | None:
+    outs = send(ep, rrb(0, entries, member=member, ratio=ratio, seq=member + 1, done=done))
+    starts = of(outs, StartRead)
+    return starts[0].plan if starts else None
+
+
+@pytest.mark.parametrize(("p_tp", "d_tp"), [(4, 2), (4, 1), (2, 2), (8, 2)])
+def test_unequal_tp_main_from_member_0_split_over_ranks_indexer_split_over_members(
+    p_tp: int, d_tp: int
+) -> None:
+    n_main, n_idx = 11, 7
+    p_main = list(range(100, 100 + n_main))
+    p_idx = list(range(200, 200 + n_idx))
+    d_main = list(range(10, 10 + n_main))
+    d_idx = list(range(30, 30 + n_idx))
+    main_written: list[int] = []
+    for d_rank in range(d_tp):
+        ep = endpoint(d_rank=d_rank, d_tp=d_tp)
+        ep.add_request("r1", d_main, d_idx, 0.0)
+        idx_written: list[int] = []
+        for p_rank in range(p_tp):
+            c = map_prefill_rank(p_rank, p_tp, d_tp)
+            if c.d_rank != d_rank:
+                continue
+            peer = f"p{p_rank}".encode()
+            send(ep, meta(f"s{p_rank}"), peer=peer)
+            msg = rrb(
+                0, [rr("r1", p_main, p_idx)], member=c.group_member_idx, ratio=c.tp_ratio, seq=1
+            )
+            msg.done_ext_ids = ["r1"]
+            outs = send(ep, msg, peer=peer)
+            for start in of(outs, StartRead):
+                (read,) = start.plan.requests
+                if c.group_member_idx:
+                    assert list(read.main_src) == []
+                # Prefill id i lands in Decode id i of the request (logical order kept).
+                assert [p_main.index(s) for s in read.main_src] == [
+                    d_main.index(d) for d in read.main_dst
+                ]
+                assert [p_idx.index(s) for s in read.indexer_src] == [
+                    d_idx.index(d) for d in read.indexer_dst
+                ]
+                main_written += read.main_dst
+                idx_written += read.indexer_dst
+                finish(ep, outs)
+        # Every Decode rank holds the whole indexer, each block written once.
+        assert sorted(idx_written) == d_idx
+        assert ep.requests() == {"r1": "done_on_rank"}
+    # The main pool is shared: the Decode ranks together write every block once.
+    assert sorted(main_written) == d_main
+
+
+def test_contributor_completion_needs_every_member_duplicates_ignored() -> None:
+    ep = endpoint()  # Prefill TP 4 -> Decode TP 1: ratio 4
+    ep.add_request("r1", [0, 1, 2, 3], [0, 1, 2, 3], 0.0)
+    for m in range(4):
+        send(ep, meta(f"s{m}"), peer=f"p{m}".encode())
+
+    def final(member: int, seq: int) -> list[Output]:
+        msg = rrb(LAST, [rr("r1", [4, 5, 6, 7])], done=["r1"], member=member, ratio=4, seq=seq)
+        outs = send(ep, msg, peer=f"p{member}".encode())
+        return finish(ep, outs) if of(outs, StartRead) else outs
+
+    assert of(final(0, 1), RequestDone) == []
+    assert of(final(1, 1), RequestDone) == []
+    assert of(final(1, 2), RequestDone) == []  # member 1 again: a duplicate
+    assert ep.stats.duplicate_done == 1
+    assert of(final(2, 1), RequestDone) == []
+    assert of(final(3, 1), RequestDone) == [RequestDone("r1")]
+
+
+def test_done_counts_only_after_successful_read() -> None:
+    ep = ready()
+    ep.add_request("r1", [0], [0], 0.0)
+    outs = send(ep, rrb(LAST, [rr("r1", [1])], done=["r1"], seq=1))
+    outs = finish(ep, outs, error=TransferError("boom", 7))
+    assert of(outs, RequestDone) == []
+    assert only(outs, RequestFailed).code == ErrorCode.TRANSFER_FAILED
+
+
+def test_done_waits_for_other_reads_in_flight() -> None:
+    ep = ready()
+    ep.add_request("r1", [0, 1], [0, 1], 0.0)
+    first = only(send(ep, rrb(0, [rr("r1", [5, 6])], seq=1)), StartRead)
+    last = send(ep, rrb(LAST, [rr("r1", [5, 6])], done=["r1"], seq=2))
+    outs = finish(ep, last)
+    assert of(outs, RequestDone) == []  # layer 0 is still being read
+    outs = ep.read_finished(first.plan.read_id, None, 1.0)
+    assert of(outs, RequestDone) == [RequestDone("r1")]
+
+
+def test_ratio_change_for_a_request_isolates_it() -> None:
+    ep = ready()
+    ep.add_request("r1", [0, 1], [0, 1], 0.0)
+    finish(ep, send(ep, rrb(0, [rr("r1", [5, 6])], ratio=2, seq=1)))
+    outs = send(ep, rrb(1, [rr("r1", [5, 6])], ratio=4, seq=2))
+    reply = replies(outs)[0]
+    assert reply.failed[0].code == ErrorCode.OUT_OF_RANGE and "tp_ratio" in reply.failed[0].message
+    assert only(outs, RequestFailed).ext_req_id == "r1"
+
+
+# -- chunked requests ----------------------------------------------------------------------
+
+
+def test_three_chunks_with_partial_final_block_cover_destination_once() -> None:
+    block_size, prompt = 16, 16 * 5 + 3  # six blocks, the last one partial
+    allocated = -(-prompt // block_size)
+    p_blocks = list(range(200, 200 + allocated))
+    d_main = list(range(60, 60 + allocated))
+    d_idx = list(range(90, 90 + allocated))
+    for d_tp in (1, 2):
+        written: dict[str, list[int]] = {"main": [], "idx": []}
+        for d_rank in range(d_tp):
+            ep = endpoint(d_rank=d_rank, d_tp=d_tp)
+            send(ep, meta())
+            ep.add_request("r1", d_main, d_idx, 0.0)
+            transferred, seq = 0, 0
+            for computed, final in ((32, False), (70, False), (prompt, True)):
+                start, end = chunk_block_range(
+                    remote_cached_tokens=0,
+                    transferred_tokens=transferred,
+                    computed_tokens=computed,
+                    block_size=block_size,
+                    allocated_blocks=allocated,
+                    final=final,
+                )
+                transferred = computed // block_size * block_size
+                ids = p_blocks[start:end]
+                for layer in range(NUM_LAYERS):
+                    seq += 1
+                    done = ["r1"] if final and layer == LAST else []
+                    msg = rrb(layer, [rr("r1", ids, ids, start, start)], done=done, seq=seq)
+                    outs = send(ep, msg)
+                    for s in of(outs, StartRead):
+                        (read,) = s.plan.requests
+                        if layer == 0:
+                            written["main"] += read.main_dst
+                            written["idx"] += read.indexer_dst
+                        outs = finish(ep, outs)
+            assert ep.requests() == {"r1": "done_on_rank"}
+        assert sorted(written["main"]) == d_main
+        assert sorted(written["idx"]) == sorted(d_idx * d_tp)
+
+
+# -- isolation -----------------------------------------------------------------------------
+
+
+def _isolation_setup(v2: bool) -> tuple[ConsumerEndpoint, list[Output]]:
+    ep = ready(v2=v2)
+    ep.add_request("good", [0, 1], [0, 1], 0.0)
+    ep.add_request("short", [2], [2], 0.0)  # one destination block only
+    ep.abort(["gone"], "client left", 0.0)  # retired: not waited for
+    ep.add_request("done", [3], [3], 0.0)
+    send(ep, rrb(0, [rr("done", [])], done=["done"], seq=1 if v2 else None))
+    assert ep.requests()["done"] == "done_on_rank"
+    entries = [rr("good", [5, 6]), rr("short", [7, 8]), rr("gone", [9]), rr("done", [4])]
+    outs = send(ep, rrb(1, entries, seq=2 if v2 else None))
+    return ep, outs
+
+
+def test_isolation_v2_reads_the_others_and_lists_failures() -> None:
+    ep, outs = _isolation_setup(v2=True)
+    assert request_ids(only(outs, StartRead).plan) == ["good"]
+    failed = only(outs, RequestFailed)
+    assert failed.ext_req_id == "short" and failed.code == ErrorCode.DESTINATION_RANGE
+    assert failed.main_block_ids == (2,) and failed.indexer_block_ids == (2,)
+    reply = replies(finish(ep, outs))[0]
+    codes = {f.ext_req_id: f.code for f in reply.failed}
+    assert codes == {
+        "short": ErrorCode.DESTINATION_RANGE,
+        "gone": ErrorCode.UNKNOWN_REQUEST,
+        "done": ErrorCode.UNKNOWN_REQUEST,
+    }
+    assert ep.stats.isolated_requests == 3
+    assert ep.requests()["good"] == "receiving"
+
+
+def test_isolation_v1_reads_the_others_and_replies_plain_read_done() -> None:
+    ep, outs = _isolation_setup(v2=False)
+    assert request_ids(only(outs, StartRead).plan) == ["good"]
+    reply = replies(finish(ep, outs))[0]
+    assert reply == ReadDone(layer_idx=1) and wire_len(reply) == 2
+    assert ep.requests()["short"] == "failed"
+
+
+def test_isolation_without_capability_omits_failed_list() -> None:
+    ep = endpoint()
+    send(ep, meta(caps=[CAP_SEQ]))
+    outs = send(ep, rrb(0, [rr("nobody", [1])], seq=4))
+    # nothing known: parked; expire it
+    outs = ep.handle_timer(ep.get_timer() or 0.0)
+    assert replies(outs) == [ReadDone(layer_idx=0, seq=4)]
+
+
+def test_destination_offsets_out_of_range_are_isolated() -> None:
+    ep = ready()
+    ep.add_request("r1", [0, 1, 2], [0, 1], 0.0)
+    outs = send(ep, rrb(0, [rr("r1", [5, 6], [5, 6], ms=0, js=1)], seq=1))
+    assert of(outs, StartRead) == []
+    (f,) = replies(outs)[0].failed
+    assert f.code == ErrorCode.DESTINATION_RANGE and "indexer" in f.message
+
+
+def test_member_nonzero_main_ids_are_not_range_checked() -> None:
+    ep = ready()
+    ep.add_request("r1", [0], [0, 1], 0.0)
+    # member 1 sends main ids that would not fit: they are ignored, not refused.
+    outs = send(ep, rrb(0, [rr("r1", [5, 6, 7], [8, 9])], member=1, ratio=2, seq=1))
+    (read,) = only(outs, StartRead).plan.requests
+    assert list(read.main_src) == [] and len(read.indexer_src) == 1
+
+
+def test_prefill_block_ids_beyond_num_blocks_are_isolated() -> None:
+    ep = ready()
+    ep.add_request("r1", [0], [0], 0.0)
+    ep.add_request("r2", [1], [1], 0.0)
+    outs = send(ep, rrb(0, [rr("r1", [NUM_BLOCKS], [0]), rr("r2", [0], [NUM_BLOCKS + 5])], seq=1))
+    reply = replies(outs)[0]
+    assert [(f.ext_req_id, f.code) for f in reply.failed] == [
+        ("r1", ErrorCode.OUT_OF_RANGE),
+        ("r2", ErrorCode.OUT_OF_RANGE),
+    ]
+    assert "main" in reply.failed[0].message and "indexer" in reply.failed[1].message
+
+
+def test_v1_layout_without_num_blocks_skips_source_check() -> None:
+    ep = endpoint()
+    send(ep, meta(v2=False, layouts={n: src_layout(num_blocks=None) for n in LAYER_NAMES}))
+    ep.add_request("r1", [0], [0], 0.0)
+    assert of(send(ep, rrb(0, [rr("r1", [10**6])])), StartRead)
+
+
+def test_duplicate_entry_in_one_message_isolates_the_request() -> None:
+    ep = ready()
+    ep.add_request("r1", [0, 1], [0, 1], 0.0)
+    outs = send(ep, rrb(0, [rr("r1", [5]), rr("r1", [6], ms=1, js=1)], seq=1))
+    assert of(outs, StartRead) == []
+    (f,) = replies(outs)[0].failed
+    assert f.ext_req_id == "r1" and "more than once" in f.message
+
+
+# -- whole-layer failures ------------------------------------------------------------------
+
+
+def test_layout_mismatch_fails_the_layer_no_partial_writes() -> None:
+    ep = endpoint()
+    layouts = {name: src_layout() for name in LAYER_NAMES}
+    layouts[LAYER_NAMES[1]] = src_layout(k_bytes=2048)
+    send(ep, meta(layouts=layouts))
+    ep.add_request("r1", [0], [0], 0.0)
+    ep.add_request("r2", [1], [1], 0.0)
+    outs = send(ep, rrb(1, [rr("r1", [5]), rr("r2", [6])], seq=3))
+    assert of(outs, StartRead) == []
+    reply = replies(outs)[0]
+    assert (
+        isinstance(reply, ReadFailed) and reply.code == ErrorCode.LAYOUT_MISMATCH and reply.seq == 3
+    )
+    assert "2048" in reply.error and "1024" in reply.error
+    assert sorted(f.ext_req_id for f in of(outs, RequestFailed)) == ["r1", "r2"]
+    # The verdict is cached per session and layer, and a good layer still reads.
+    ep.add_request("r3", [2], [2], 0.0)
+    assert replies(send(ep, rrb(1, [rr("r3", [5])], seq=4)))[0].code == ErrorCode.LAYOUT_MISMATCH
+    assert of(send(ep, rrb(0, [], seq=5)), Reply)
+
+
+def test_layout_mismatch_v1_reply_shape() -> None:
+    ep = endpoint()
+    send(ep, meta(v2=False, layouts={n: src_layout(tensors=3) for n in LAYER_NAMES}))
+    reply = replies(send(ep, rrb(0, [])))[0]
+    assert isinstance(reply, ReadFailed) and "scale" in reply.error and wire_len(reply) == 3
+
+
+def test_unknown_layer_index_and_name_fail_the_layer() -> None:
+    ep = ready()
+    reply = replies(send(ep, rrb(NUM_LAYERS, [], seq=1)))[0]
+    assert reply.code == ErrorCode.UNKNOWN_LAYER and "outside" in reply.error
+    msg = rrb(0, [], seq=2)
+    msg.layer_name = "model.layers.77.self_attn"
+    reply = replies(send(ep, msg))[0]
+    assert reply.code == ErrorCode.UNKNOWN_LAYER and "77" in reply.error
+    assert ep.stats.layer_failures == 2
+
+
+# -- parking (early readiness) -------------------------------------------------------------
+
+
+def test_unknown_request_parked_then_served_when_added() -> None:
+    ep = ready()
+    outs0 = send(ep, rrb(0, [rr("r1", [5])], seq=1), now=1.0)
+    outs1 = send(ep, rrb(1, [rr("r1", [5])], seq=2), now=1.1)
+    assert outs0 == [] and outs1 == []
+    assert list(ep.parked().values()) == [("r1",), ("r1",)]
+    assert ep.get_timer() == pytest.approx(1.0 + ep.config.park_timeout_s)
+    outs = ep.add_request("r1", [9], [9], 2.0)
+    plans = [s.plan for s in of(outs, StartRead)]
+    assert [p.layer_name for p in plans] == LAYER_NAMES[:2]  # arrival order
+    assert ep.parked() == {} and ep.stats.parked == 2
+
+
+def test_parked_message_waits_for_all_its_requests() -> None:
+    ep = ready()
+    send(ep, rrb(0, [rr("a", [1]), rr("b", [2])], seq=1))
+    assert ep.add_request("a", [0], [0], 0.0) == []
+    assert list(ep.parked().values()) == [("b",)]
+    outs = ep.add_request("b", [1], [1], 0.0)
+    assert request_ids(only(outs, StartRead).plan) == ["a", "b"]
+
+
+def test_parked_message_expires_and_is_served_with_unknown_isolated() -> None:
+    ep = ready()
+    ep.add_request("known", [0], [0], 0.0)
+    send(ep, rrb(0, [rr("known", [1]), rr("late", [2])], seq=1), now=0.0)
+    assert ep.handle_timer(ep.config.park_timeout_s - 0.01) == []
+    outs = ep.handle_timer(ep.config.park_timeout_s)
+    assert request_ids(only(outs, StartRead).plan) == ["known"]
+    (f,) = replies(finish(ep, outs))[0].failed
+    assert f.ext_req_id == "late" and f.code == ErrorCode.UNKNOWN_REQUEST
+    assert ep.stats.park_expired == 1
+
+
+def test_park_overflow_serves_at_once() -> None:
+    ep = ready(max_parked=1)
+    send(ep, rrb(0, [rr("x", [1])], seq=1))
+    outs = send(ep, rrb(1, [rr("y", [1])], seq=2))
+    assert replies(outs)[0].failed[0].code == ErrorCode.UNKNOWN_REQUEST
+    assert ep.stats.park_overflow == 1
+
+
+def test_parked_readiness_released_by_local_abort_of_unknown_id() -> None:
+    ep = ready()
+    send(ep, rrb(0, [rr("x", [1])], seq=1))
+    outs = ep.abort(["x"], "client left", 0.5)
+    assert replies(outs)[0].failed[0].ext_req_id == "x"
+    assert ep.is_idle()
+
+
+def test_parked_lease_bound_then_lease_expired() -> None:
+    ep = ready()
+    send(ep, rrb(0, [rr("r1", [1])], seq=1, lease_ms=2000), now=10.0)
+    assert ep.get_timer() == pytest.approx(11.0)  # half the lease, sooner than the park bound
+    assert of(ep.add_request("r1", [0], [0], 10.5), StartRead)  # in time
+    # Parked until exactly half the lease is left: still allowed to start.
+    ep.add_request("k", [1], [1], 20.0)
+    send(ep, rrb(1, [rr("k", [1]), rr("r2", [1])], seq=2, lease_ms=2000), now=20.0)
+    outs = ep.handle_timer(21.0)
+    assert request_ids(only(outs, StartRead).plan) == ["k"]
+    # Served after the half-way point: refused.
+    send(ep, rrb(2, [rr("r3", [1])], seq=3, lease_ms=2000), now=30.0)
+    ep.add_request("r3", [0], [0], 31.5)
+    assert ep.stats.expired_leases == 1
+    assert ep.requests()["r3"] == "failed"
+
+
+def test_lease_expired_reply_shape() -> None:
+    ep = ready()
+    send(ep, rrb(0, [rr("r1", [1])], seq=7, lease_ms=1000), now=0.0)
+    outs = ep.add_request("r1", [0], [0], 0.6)
+    reply = replies(outs)[0]
+    assert (
+        isinstance(reply, ReadFailed) and reply.code == ErrorCode.LEASE_EXPIRED and reply.seq == 7
+    )
+    assert only(outs, RequestFailed).code == ErrorCode.LEASE_EXPIRED
+
+
+def test_start_by_is_half_the_lease_and_runtime_lease_refusal() -> None:
+    ep = ready()
+    ep.add_request("r1", [0], [0], 0.0)
+    outs = send(ep, rrb(0, [rr("r1", [1])], seq=1, lease_ms=4000), now=100.0)
+    start = only(outs, StartRead)
+    assert start.start_by == pytest.approx(102.0)
+    err = TransferError("worker queue too deep", transient=True)
+    err.code = ErrorCode.LEASE_EXPIRED
+    outs = ep.read_finished(start.plan.read_id, err, 102.5)
+    reply = replies(outs)[0]
+    assert reply.code == ErrorCode.LEASE_EXPIRED
+    assert ep.stats.expired_leases == 1 and ep.stats.read_retries == 0
+
+
+def test_parked_abort_applies_when_request_arrives() -> None:
+    ep = ready()
+    send(ep, Abort(ext_ids=["r1", "r2"], reason="lease expired"))
+    assert len(ep.parked()) == 1
+    outs = ep.add_request("r1", [0], [0], 0.0)
+    assert only(outs, RequestFailed).code == ErrorCode.ABORTED
+    assert of(outs, SendAbort) == []  # the aborting peer is not told back
+    outs = ep.add_request("r2", [1], [1], 0.0)
+    assert only(outs, RequestFailed).ext_req_id == "r2"
+    assert ep.parked() == {}
+
+
+def test_parked_abort_expires_and_overflow_drops() -> None:
+    ep = ready(max_parked=1)
+    send(ep, Abort(ext_ids=["r1"]))
+    send(ep, Abort(ext_ids=["r2"]))
+    assert ep.stats.park_overflow == 1 and ep.stats.dropped == 1
+    assert ep.handle_timer(ep.config.park_timeout_s) == []
+    assert ep.is_idle()
+    assert of(ep.add_request("r1", [0], [0], 20.0), RequestFailed) == []
+
+
+def test_parked_readiness_after_session_gone_or_refused() -> None:
+    ep = ready(max_sessions=1)
+    send(ep, rrb(0, [rr("r1", [1])], seq=1))
+    send(ep, meta("other"), peer=b"x")  # p0 forgotten
+    reply = replies(ep.add_request("r1", [0], [0], 0.0))[0]
+    assert reply.code == ErrorCode.UNKNOWN_SESSION
+    ep2 = ready()
+    send(ep2, rrb(0, [rr("r1", [1])], seq=1))
+    send(ep2, meta(blob=b"\xc1"))  # the re-handshake fails
+    reply = replies(ep2.add_request("r1", [0], [0], 0.0))[0]
+    assert reply.code == ErrorCode.MALFORMED and "refused" in reply.error
+
+
+# -- read outcomes -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("v2", [True, False])
+def test_read_failure_fails_every_request_with_main_and_indexer_blocks(v2: bool) -> None:
+    ep = ready(v2=v2)
+    ep.add_request("r1", [10, 11], [20, 21], 0.0)
+    ep.add_request("r2", [12], [22], 0.0)
+    ep.add_request("r3", [], [], 0.0)  # nothing to read here, still part of the message
+    outs = send(ep, rrb(0, [rr("r1", [1, 2]), rr("r2", [3]), rr("r3", [])], seq=5 if v2 else None))
+    outs = finish(ep, outs, error=TransferError("memfabric read returned -3", -3))
+    reply = replies(outs)[0]
+    assert isinstance(reply, ReadFailed) and "-3" in reply.error
+    if v2:
+        assert reply.code == ErrorCode.TRANSFER_FAILED and reply.seq == 5
+    else:
+        assert wire_len(reply) == 3
+    failed = {f.ext_req_id: f for f in of(outs, RequestFailed)}
+    assert set(failed) == {"r1", "r2", "r3"}
+    assert failed["r1"].main_block_ids == (10, 11) and failed["r1"].indexer_block_ids == (20, 21)
+    assert ep.stats.reads_failed == 1
+
+
+def test_transient_failure_is_retried_once_then_reported() -> None:
+    ep = ready()
+    ep.add_request("r1", [0], [0], 0.0)
+    outs = send(ep, rrb(0, [rr("r1", [1])], seq=1))
+    first = only(outs, StartRead).plan
+    outs = ep.read_finished(first.read_id, TransferError("busy", transient=True), 0.1)
+    second = only(outs, StartRead).plan
+    assert second.read_id != first.read_id and second.requests == first.requests
+    assert replies(outs) == [] and ep.stats.read_retries == 1
+    with pytest.raises(LocalProtocolError):
+        ep.read_finished(first.read_id, None, 0.2)
+    outs = ep.read_finished(second.read_id, TransferError("busy", transient=True), 0.2)
+    assert isinstance(replies(outs)[0], ReadFailed)
+
+
+def test_retry_drops_requests_that_stopped_waiting() -> None:
+    ep = ready()
+    ep.add_request("a", [0], [0], 0.0)
+    ep.add_request("b", [1], [1], 0.0)
+    plan = only(send(ep, rrb(0, [rr("a", [1]), rr("b", [2])], seq=1)), StartRead).plan
+    ep.abort(["a"], "gone", 0.05)
+    ep.release("a", 0.06)
+    outs = ep.read_finished(plan.read_id, TransferError("busy", transient=True), 0.1)
+    assert Releasable("a") in outs
+    retry = only(outs, StartRead).plan
+    assert request_ids(retry) == ["b"]
+    outs = ep.read_finished(retry.read_id, None, 0.2)
+    assert replies(outs) == [ReadDone(layer_idx=0, seq=1)]
+
+
+def test_no_retry_when_nothing_waits_or_lease_margin_gone() -> None:
+    ep = ready()
+    ep.add_request("a", [0], [0], 0.0)
+    plan = only(send(ep, rrb(0, [rr("a", [1])], seq=1)), StartRead).plan
+    ep.abort(["a"], "gone", 0.0)
+    outs = ep.read_finished(plan.read_id, TransferError("busy", transient=True), 0.1)
+    assert of(outs, StartRead) == [] and isinstance(replies(outs)[0], ReadFailed)
+    ep.add_request("b", [0], [0], 0.0)
+    plan = only(send(ep, rrb(0, [rr("b", [1])], seq=2, lease_ms=1000), now=1.0), StartRead).plan
+    outs = ep.read_finished(plan.read_id, TransferError("busy", transient=True), 1.6)
+    assert of(outs, StartRead) == []
+
+
+def test_unknown_read_id_raises() -> None:
+    ep = ready()
+    with pytest.raises(LocalProtocolError, match="not in flight"):
+        ep.read_finished(12345, None, 0.0)
+
+
+# -- abort, release, quiescence ------------------------------------------------------------
+
+
+def test_abort_while_read_in_flight_delays_release_until_read_finished() -> None:
+    ep = ready()
+    ep.add_request("r1", [0, 1], [2, 3], 0.0)
+    outs = send(ep, rrb(0, [rr("r1", [5, 6])], seq=1))
+    start = only(outs, StartRead)
+    outs = ep.abort(["r1"], "client disconnected", 1.0)
+    assert only(outs, RequestFailed).code == ErrorCode.ABORTED
+    abort = only(outs, SendAbort)
+    assert (
+        abort.peer == PEER
+        and abort.msg.ext_ids == ["r1"]
+        and "client disconnected" in abort.msg.reason
+    )
+    assert ep.stats.aborts_sent == 1
+    assert ep.release("r1", 1.1) == []  # a read may still write its blocks
+    assert ep.requests() == {"r1": "release_pending"}
+    assert ep.in_flight_count("r1") == 1
+    outs = ep.read_finished(start.plan.read_id, None, 2.0)
+    assert Releasable("r1") in outs and of(outs, RequestDone) == []
+    assert ep.is_idle()
+    # Readiness arriving later for the retired id is refused at once, not parked.
+    reply = replies(send(ep, rrb(1, [rr("r1", [5, 6])], seq=2)))[0]
+    assert reply.failed[0].code == ErrorCode.UNKNOWN_REQUEST
+
+
+def test_release_before_kv_arrived_fails_then_releases_when_quiescent() -> None:
+    ep = ready()
+    ep.add_request("r1", [0], [0], 0.0)
+    start = only(send(ep, rrb(0, [rr("r1", [5])], seq=1)), StartRead)
+    outs = ep.release("r1", 1.0)
+    assert only(outs, RequestFailed).code == ErrorCode.ABORTED
+    assert only(outs, SendAbort).msg.ext_ids == ["r1"]
+    assert of(outs, Releasable) == []
+    # New readiness for it is isolated (never written while release is pending).
+    reply_outs = send(ep, rrb(1, [rr("r1", [5])], seq=2))
+    assert replies(reply_outs)[0].failed[0].code == ErrorCode.ABORTED
+    outs = ep.read_finished(start.plan.read_id, TransferError("x"), 2.0)
+    assert Releasable("r1") in outs
+    assert of(outs, RequestFailed) == []  # the request already reported its failure
+
+
+def test_release_without_reads_is_immediate() -> None:
+    ep = ready()
+    ep.add_request("r1", [0], [0], 0.0)
+    outs = ep.release("r1", 0.0)
+    assert of(outs, Releasable) == [Releasable("r1")] and only(outs, RequestFailed)
+    assert of(outs, SendAbort) == []  # no Prefill published for it
+    assert ep.release("never-added", 0.0) == [Releasable("never-added")]
+    with pytest.raises(LocalProtocolError):
+        ep.advertise("r1", 0.0)
+
+
+def test_release_of_failed_request_with_read_in_flight() -> None:
+    ep = ready()
+    ep.add_request("r1", [0], [0], 0.0)
+    start = only(send(ep, rrb(0, [rr("r1", [5])], seq=1)), StartRead)
+    send(ep, Abort(ext_ids=["r1"], reason="lease"))
+    assert ep.requests() == {"r1": "failed"}
+    assert ep.release("r1", 0.5) == []
+    with pytest.raises(LocalProtocolError):
+        ep.release("r1", 0.6)  # released twice
+    assert ep.read_finished(start.plan.read_id, None, 1.0) == [
+        Reply(PEER, ReadDone(layer_idx=0, seq=1)),
+        Releasable("r1"),
+    ]
+
+
+def test_abort_from_prefill_fails_and_tells_other_contributors() -> None:
+    ep = endpoint()
+    for m in range(2):
+        send(ep, meta(f"s{m}"), peer=f"p{m}".encode())
+    ep.add_request("r1", [0], [0, 1], 0.0)
+    for m in range(2):
+        outs = send(
+            ep, rrb(0, [rr("r1", [5], [6, 7])], member=m, ratio=2, seq=1), peer=f"p{m}".encode()
+        )
+        finish(ep, outs)
+    outs = send(ep, Abort(ext_ids=["r1", "r1"], reason="lease expired"), peer=b"p0")
+    failed = only(outs, RequestFailed)
+    assert failed.code == ErrorCode.ABORTED and "lease expired" in failed.message
+    assert [a.peer for a in of(outs, SendAbort)] == [b"p1"]
+    assert ep.stats.aborts_received == 1
+    # Aborting again changes nothing.
+    assert of(send(ep, Abort(ext_ids=["r1"]), peer=b"p1"), RequestFailed) == []
+
+
+def test_abort_from_unbound_peer_is_dropped() -> None:
+    ep = endpoint()
+    ep.add_request("r1", [0], [0], 0.0)
+    assert send(ep, Abort(ext_ids=["r1"])) == []
+    assert ep.requests() == {"r1": "advertised"} and ep.stats.dropped == 1
+
+
+def test_aborts_only_to_v2_peers_with_the_capability() -> None:
+    ep = endpoint()
+    send(ep, meta("v1", v2=False), peer=b"a")
+    send(ep, meta("nocap", caps=[CAP_SEQ]), peer=b"b")
+    send(ep, meta("full"), peer=b"c")
+    ep.add_request("r1", [0], [0, 1, 2], 0.0)
+    for m, peer in enumerate((b"a", b"b", b"c")):
+        seq = None if peer == b"a" else 1
+        outs = send(ep, rrb(0, [rr("r1", [5], [6, 7, 8])], member=m, ratio=3, seq=seq), peer=peer)
+        finish(ep, outs)
+    outs = ep.abort(["r1"], "stop", 1.0)
+    assert [a.peer for a in of(outs, SendAbort)] == [b"c"]
+
+
+def test_abort_of_many_requests_is_one_message_per_peer() -> None:
+    ep = ready()
+    ids = [f"r{i}" for i in range(5)]
+    for i, ext in enumerate(ids):
+        ep.add_request(ext, [i], [i], 0.0)
+    finish(ep, send(ep, rrb(0, [rr(ext, [i]) for i, ext in enumerate(ids)], seq=1)))
+    outs = ep.abort([*ids, "unknown"], "shutdown", 1.0)
+    assert len(of(outs, RequestFailed)) == 5
+    assert only(outs, SendAbort).msg.ext_ids == ids
+
+
+def test_advertise_later() -> None:
+    ep = ready()
+    ep.add_request("r1", [0], [0], 0.0, advertised=False)
+    assert ep.requests() == {"r1": "allocated"}
+    ep.advertise("r1", 1.0)
+    assert ep.requests() == {"r1": "advertised"}
+    with pytest.raises(LocalProtocolError):
+        ep.advertise("r1", 1.0)
+
+
+def test_add_request_misuse_raises() -> None:
+    ep = ready()
+    ep.add_request("r1", [0], [0], 0.0)
+    with pytest.raises(LocalProtocolError, match="already registered"):
+        ep.add_request("r1", [0], [0], 0.0)
+    with pytest.raises(LocalProtocolError, match="main destination") as info:
+        ep.add_request("r2", [NUM_BLOCKS], [0], 0.0)
+    assert info.value.code == ErrorCode.DESTINATION_RANGE
+    with pytest.raises(LocalProtocolError, match="indexer destination"):
+        ep.add_request("r2", [0], [-1], 0.0)
+
+
+# -- timers --------------------------------------------------------------------------------
+
+
+def test_kv_load_timeout_fails_request_and_aborts_peers() -> None:
+    ep = ready(kv_load_timeout_s=5.0)
+    ep.add_request("r1", [0], [0], 0.0)
+    ep.add_request("r2", [1], [1], 1.0)
+    assert ep.get_timer() == 5.0
+    finish(ep, send(ep, rrb(0, [rr("r1", [1])], seq=1), now=3.0), now=4.0)  # progress
+    assert ep.get_timer() == 6.0  # r2 is now the first to expire
+    assert ep.handle_timer(5.99) == []
+    outs = ep.handle_timer(6.0)
+    assert only(outs, RequestFailed).ext_req_id == "r2" and of(outs, SendAbort) == []
+    outs = ep.handle_timer(9.0)
+    failed = only(outs, RequestFailed)
+    assert failed.ext_req_id == "r1" and failed.code == ErrorCode.TIMEOUT
+    assert only(outs, SendAbort).msg.ext_ids == ["r1"]
+    assert ep.stats.load_timeouts == 2 and ep.get_timer() is None
+
+
+# -- malformed input -----------------------------------------------------------------------
+
+
+def _raw(fields: list[Any]) -> bytes:
+    return msgspec.msgpack.encode(fields)
+
+
+def test_garbage_is_dropped_and_counted() -> None:
+    ep = ready()
+    for frame in (
+        b"",
+        b"\xc1",
+        b"\x93\xa1x\x01\x02",
+        _raw([b"nonsense", 1]),
+        _raw([b"read_ready_batch"]),
+    ):
+        assert ep.receive_frame(PEER, frame, 0.0) == []
+    assert ep.stats.malformed_frames == 5 and ep.stats.dropped == 5
+
+
+def test_identifiable_malformed_readiness_gets_failure_reply() -> None:
+    ep = ready()
+    ep.add_request("r1", [0], [0], 0.0)
+    # A negative block id: typed decoding refuses it, but layer and seq are readable.
+    frame = _raw(
+        [TAG_READ_READY_BATCH, 4, LAYER_NAMES[0], [["r1", [-1], [0], 0, 0]], ["r1"], 0, 1, 77]
+    )
+    outs = ep.receive_frame(PEER, frame, 0.0)
+    reply = replies(outs)[0]
+    assert isinstance(reply, ReadFailed) and reply.layer_idx == 4 and reply.seq == 77
+    assert reply.code == ErrorCode.OUT_OF_RANGE
+    assert only(outs, RequestFailed).ext_req_id == "r1"
+    # v1-shaped (no seq): v1 read_failed. member >= ratio is refused as out of range.
+    frame = _raw([TAG_READ_READY_BATCH, 2, LAYER_NAMES[2], [], [], 3, 2])
+    reply = replies(ep.receive_frame(PEER, frame, 0.0))[0]
+    assert reply == ReadFailed(layer_idx=2, error=reply.error) and "group_member_idx" in reply.error
+    # Unreadable seq or layer: dropped.
+    assert (
+        ep.receive_frame(PEER, _raw([TAG_READ_READY_BATCH, 2, "x", [], [], 0, 1, "s"]), 0.0) == []
+    )
+    assert ep.receive_frame(PEER, _raw([TAG_READ_READY_BATCH, -2, "x", 5]), 0.0) == []
+    assert ep.stats.malformed_frames == 4 and ep.stats.dropped == 2
+
+
+def test_identify_ignores_odd_entries() -> None:
+    ep = ready()
+    ep.add_request("r1", [0], [0], 0.0)
+    frame = _raw([TAG_READ_READY_BATCH, 0, 7, [5, [], [1], ["r1", "bad"]], "nope"])
+    outs = ep.receive_frame(PEER, frame, 0.0)
+    assert only(outs, RequestFailed).ext_req_id == "r1"
+
+
+def test_unexpected_messages_from_prefill_are_counted() -> None:
+    ep = ready()
+    assert send(ep, ReadDone(layer_idx=0)) == []
+    assert send(ep, Ack(protocol_version=2)) == []
+    assert ep.receive_frame(PEER, b"ACK", 0.0) == []
+    assert ep.stats.unexpected_messages == 3
+
+
+def test_internal_table_miss_from_peer_input_never_raises(monkeypatch: pytest.MonkeyPatch) -> None:
+    ep = ready()
+
+    def broken(*_a: Any) -> None:
+        raise LocalProtocolError("table miss")
+
+    monkeypatch.setattr(ep, "_on_readiness", broken)
+    assert send(ep, rrb(0, [], seq=1)) == []
+    assert ep.stats.protocol_errors == 1
+
+
+# -- reconnect -----------------------------------------------------------------------------
+
+
+def test_readiness_without_handshake_gets_unknown_session() -> None:
+    ep = endpoint()
+    ep.add_request("r1", [0], [0], 0.0)
+    outs = send(ep, rrb(0, [rr("r1", [1])], seq=3))
+    reply = replies(outs)[0]
+    assert reply == ReadFailed(
+        layer_idx=0, error=reply.error, seq=3, code=ErrorCode.UNKNOWN_SESSION
+    )
+    assert of(outs, RequestFailed) == []  # a v2 Prefill replays it after a new handshake
+    send(ep, meta())
+    assert of(send(ep, rrb(0, [rr("r1", [1])], seq=3)), StartRead)
+    # v1-shaped: a v1 Prefill never replays; its requests fail now.
+    ep2 = endpoint()
+    ep2.add_request("r1", [0], [0], 0.0)
+    outs = send(ep2, rrb(0, [rr("r1", [1])]))
+    assert wire_len(replies(outs)[0]) == 3
+    assert only(outs, RequestFailed).code == ErrorCode.UNKNOWN_SESSION
+    assert ep2.stats.unknown_session == 1
+
+
+# -- bounded state -------------------------------------------------------------------------
+
+
+def test_retired_ids_are_bounded() -> None:
+    ep = ready(max_retired=3)
+    for i in range(10):
+        ep.release(f"x{i}", 0.0)
+    outs = send(ep, rrb(0, [rr("x0", [1])], seq=1))
+    assert outs == []  # x0 was forgotten: a readiness for it is parked again
+    outs = send(ep, rrb(0, [rr("x9", [1])], seq=2))
+    assert replies(outs)[0].failed[0].ext_req_id == "x9"
+
+
+_ENDINGS = ("done", "read_fail", "abort", "prefill_abort", "timeout", "release_early", "isolate")
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.sampled_from(_ENDINGS), min_size=1, max_size=12), st.booleans())
+def test_no_residual_state_after_churn(endings: list[str], park_first: bool) -> None:
+    ep = ready(kv_load_timeout_s=50.0)
+    now = 0.0
+    terminal: dict[str, int] = {}
+    for i, ending in enumerate(endings):
+        ext = f"r{i}"
+        now += 1.0
+        first = rrb(0, [rr(ext, [1])], seq=2 * i + 1, done=[ext] if ending == "done" else [])
+        if park_first:
+            send(ep, first, now=now)
+            outs = ep.add_request(ext, [i % NUM_BLOCKS], [i % NUM_BLOCKS], now)
+        else:
+            ep.add_request(ext, [i % NUM_BLOCKS], [i % NUM_BLOCKS], now)
+            outs = send(ep, first, now=now)
+        starts = of(outs, StartRead)
+        read_id = starts[0].plan.read_id if starts else None
+        if ending == "abort":
+            outs += ep.abort([ext], "x", now)
+        elif ending == "prefill_abort":
+            outs += send(ep, Abort(ext_ids=[ext]), now=now)
+        elif ending == "release_early":
+            outs += ep.release(ext, now)
+        elif ending == "isolate":
+            outs += send(ep, rrb(1, [rr(ext, [1, 2, 3])], seq=2 * i + 2), now=now)
+        if read_id is not None:
+            err = TransferError("x") if ending == "read_fail" else None
+            outs += ep.read_finished(read_id, err, now)
+        if ending == "timeout":
+            outs += ep.handle_timer(now + 100.0)
+            now += 100.0
+        for o in outs:
+            if isinstance(o, RequestDone | RequestFailed):
+                terminal[o.ext_req_id] = terminal.get(o.ext_req_id, 0) + 1
+        if ending != "release_early":
+            ep.release(ext, now)
+    # Exactly one terminal report per request, and nothing left behind.
+    assert terminal == {f"r{i}": 1 for i in range(len(endings))}
+    assert ep.is_idle(), (ep.requests(), ep.in_flight_reads(), ep.parked())
+    assert ep.get_timer() is None
