@@ -53,6 +53,11 @@ class PrefillControlClient(IOLoop[ClientEvent]):
     ``send`` never blocks: each endpoint has its own bounded queue in front of ZMQ, which
     the loop drains with non-blocking sends, so a slow or dead endpoint only fills its own
     queue; once ``outgoing_capacity`` frames wait for it, ``send`` raises :class:`QueueFull`.
+
+    As in v1 (ZMQ_IMMEDIATE off), frames for an endpoint not reached yet wait in ZMQ's queue
+    and in ours, and go out when it comes up, possibly much later; a binding that must not
+    deliver stale frames reacts to :class:`ConnectionEvent` with ``disconnect()``, which
+    drops them and gives the next connection a new routing id.
     """
 
     def __init__(
