@@ -9,8 +9,11 @@ handful of merged regions). The session changes when more memory is registered, 
 Prefill publishes it after registering.
 
 Reads use NIXL's asynchronous transfer request: post, poll until done, error or deadline.
-On the deadline the request is released, which asks UCX to cancel it; if NIXL refuses
-(the transfer cannot be cancelled yet) the handle is kept and :meth:`quiesce` waits for it.
+Posting may itself move all the data before it returns (UCX over TCP does), so a request
+runs on a :class:`~rd2h_runtime.transfer.base.BlockingCallRunner` thread and ``read``
+returns at its deadline regardless. A request still polling at the deadline is released,
+which asks UCX to cancel it; if NIXL refuses (the transfer cannot be cancelled yet) the
+handle is kept and :meth:`NixlBackend.quiesce` waits for it.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from typing import Any, ClassVar, Final
 import numpy as np
 
 from rd2h_protocol.errors import TransferError
-from rd2h_runtime.transfer.base import TransferBackend, U64Array
+from rd2h_runtime.transfer.base import BlockingCallRunner, TransferBackend, U64Array
 
 __all__ = ["SESSION_PREFIX", "NixlBackend"]
 
@@ -36,6 +39,8 @@ SESSION_PREFIX: Final = "nixl1:"
 # Upper bound of one poll sleep; polling starts at a few microseconds and backs off to it.
 _MAX_POLL_SLEEP_S: Final = 0.0005
 _UCX_PLUGIN: Final = "UCX"
+# How long close() waits for a running transfer before leaving the agent alive.
+_CLOSE_WAIT_S: Final = 5.0
 
 # NIXL raises one exception class per status (nixlNotFoundError for NIXL_ERR_NOT_FOUND, ...);
 # the numeric code is looked up from the binding's status enum on first use.
@@ -114,6 +119,7 @@ class NixlBackend(TransferBackend):
         self._session: str | None = None
         self._peers: dict[str, str] = {}  # session -> remote agent name
         self._unfinished: list[Any] = []  # timed-out handles NIXL could not cancel
+        self._runner = BlockingCallRunner("nixl")
 
     @property
     def session_id(self) -> str:
@@ -151,6 +157,17 @@ class NixlBackend(TransferBackend):
         zeros = np.zeros(lengths.shape[0], dtype=np.uint64)
         local_descs = np.stack([local, lengths, zeros], axis=1)
         remote_descs = np.stack([remote, lengths, zeros], axis=1)
+        # Posting can itself move the data before it returns (UCX over TCP does), so the
+        # whole request runs on the runner's thread and read() returns at the deadline.
+        self._runner.run(
+            lambda: self._transfer(session, local_descs, remote_descs, deadline),
+            deadline,
+            f"NIXL read from session {session[:24]}...",
+        )
+
+    def _transfer(
+        self, session: str, local_descs: U64Array, remote_descs: U64Array, deadline: float
+    ) -> None:
         with self._lock:
             self._reap()
             peer = self._peer(session)
@@ -164,7 +181,7 @@ class NixlBackend(TransferBackend):
                 )
             except Exception as exc:
                 raise TransferError(
-                    f"NIXL refused the read from {peer!r} ({lengths.shape[0]} descriptors; "
+                    f"NIXL refused the read from {peer!r} ({local_descs.shape[0]} descriptors; "
                     f"a remote range outside the peer's registered memory is NOT_FOUND): {exc}",
                     _code(exc),
                 ) from exc
@@ -175,7 +192,7 @@ class NixlBackend(TransferBackend):
                     if time.monotonic() >= deadline:
                         self._abandon(handle)
                         raise TransferError(
-                            f"NIXL read from {peer!r} timed out ({int(lengths.sum())} bytes)",
+                            f"NIXL read from {peer!r} timed out",
                             transient=not self._unfinished,
                         )
                     time.sleep(sleep)
@@ -216,6 +233,8 @@ class NixlBackend(TransferBackend):
 
     def quiesce(self, timeout_s: float) -> bool:
         deadline = time.monotonic() + max(0.0, float(timeout_s))
+        if not self._runner.wait_idle(timeout_s):
+            return False
         while True:
             with self._lock:
                 self._reap()
@@ -226,7 +245,10 @@ class NixlBackend(TransferBackend):
             time.sleep(_MAX_POLL_SLEEP_S)
 
     def _close(self) -> None:
-        self.quiesce(1.0)
+        if not self.quiesce(_CLOSE_WAIT_S):
+            # A transfer is still running on the runner's thread; dropping the agent under
+            # it could crash the process, so the agent stays alive until exit.
+            return
         with self._lock:
             for name in set(self._peers.values()):
                 # The peer may be gone already; then there is nothing left to release.
