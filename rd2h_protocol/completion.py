@@ -365,7 +365,9 @@ class CrossRankCompletion:
         tally = _Tally()
         self._retry_unmapped(resolve, now, tally)
         for rank, report in enumerate(reports):
-            failed = set(report.failed)
+            # Ordered (not a set): every rank must produce the same order, whatever its
+            # hash seed.
+            failed = dict.fromkeys(report.failed)
             for ext in report.done:
                 if ext not in failed:
                     self._on_report(ext, rank, False, resolve, now, tally)

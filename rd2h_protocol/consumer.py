@@ -550,10 +550,9 @@ class ConsumerEndpoint:
         isolated (or refused, past its lease); a request with no progress for
         ``kv_load_timeout_s`` fails with ``TIMEOUT`` and its v2 peers get ABORT.
         """
-        for pid in [pid for pid, p in self._parked.items() if p.deadline <= now]:
-            item = self._parked.get(pid)
-            if item is None:  # served meanwhile by an earlier one in this loop
-                continue
+        # Serving one expired item never unparks another (only add/retire do), so the
+        # list taken up front stays valid.
+        for item in [p for p in self._parked.values() if p.deadline <= now]:
             self._unpark(item)
             self.stats.park_expired += 1
             if isinstance(item, _Readiness):
@@ -767,11 +766,10 @@ class ConsumerEndpoint:
                     self._peers.pop(old.peer, None)
         else:
             self._sessions.move_to_end(name)
+        # Invariant: every (peer -> name) in _peers has sessions[name].peer == peer.
         previous = self._peers.get(peer)
         if previous is not None and previous != name:
-            other = self._sessions.get(previous)
-            if other is not None and other.peer == peer:
-                other.peer = None
+            self._sessions[previous].peer = None
         if session.peer is not None and session.peer != peer:
             self._peers.pop(session.peer, None)
         session.peer = peer
@@ -1084,9 +1082,7 @@ class ConsumerEndpoint:
         text = f"batched read failed: {error.message}"
         if error.backend_code is not None:
             text += f" (backend code {error.backend_code})"
-        self._out.append(
-            Reply(rd.peer, self._failure_reply(rd.msg.layer_idx, rd.msg.seq, code, text))
-        )
+        self._reply_failed(rd, code, text)
         for req in rd.in_plan:
             req.in_flight -= 1
         for req in rd.accepted:
@@ -1129,9 +1125,7 @@ class ConsumerEndpoint:
         """Fail the whole readiness: reply read_failed, fail every known request it names."""
         self._readiness_step(rd, M_LOCAL_REFUSE)
         self.stats.layer_failures += 1
-        self._out.append(
-            Reply(rd.peer, self._failure_reply(rd.msg.layer_idx, rd.msg.seq, code, text))
-        )
+        self._reply_failed(rd, code, text)
         if fail_known:
             self._fail_known(_message_ids(rd.msg), now, code, text)
 
@@ -1157,12 +1151,11 @@ class ConsumerEndpoint:
 
     def _unpark(self, item: _Parked) -> None:
         del self._parked[item.park_id]
-        for ext in item.missing:
-            waiting = self._waiting.get(ext)
-            if waiting is not None:
-                waiting.discard(item.park_id)
-                if not waiting:
-                    del self._waiting[ext]
+        for ext in item.missing:  # every id still missing is indexed in _waiting
+            waiting = self._waiting[ext]
+            waiting.discard(item.park_id)
+            if not waiting:
+                del self._waiting[ext]
         item.missing = set()
 
     def _resolve_waiting(self, ext: str, now: float) -> None:
@@ -1170,10 +1163,8 @@ class ConsumerEndpoint:
         waiting = self._waiting.pop(ext, None)
         if not waiting:
             return
-        for pid in sorted(waiting):  # arrival order
-            item = self._parked.get(pid)
-            if item is None:
-                continue
+        for pid in sorted(waiting):  # arrival order; _unpark keeps _waiting exact
+            item = self._parked[pid]
             item.missing.discard(ext)
             if isinstance(item, _ParkedAbort):
                 req = self._requests.get(ext)

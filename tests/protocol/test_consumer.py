@@ -1205,3 +1205,89 @@ def test_no_residual_state_after_churn(endings: list[str], park_first: bool) -> 
     assert terminal == {f"r{i}": 1 for i in range(len(endings))}
     assert ep.is_idle(), (ep.requests(), ep.in_flight_reads(), ep.parked())
     assert ep.get_timer() is None
+
+
+# -- corner cases --------------------------------------------------------------------------
+
+
+def test_oversized_frame_is_dropped() -> None:
+    ep = ready()
+    frame = _raw([TAG_READ_READY_BATCH, 0, "x", [], [], 0, 1, 1, 0, "x" * (16 << 20)])
+    assert ep.receive_frame(PEER, frame, 0.0) == []
+    assert ep.stats.dropped == 1
+
+
+def test_identify_with_non_list_entries() -> None:
+    ep = ready()
+    ep.add_request("r1", [0], [0], 0.0)
+    frame = _raw([TAG_READ_READY_BATCH, 1, "x", 7, ["r1"], 0, 1, 2])
+    outs = ep.receive_frame(PEER, frame, 0.0)
+    assert replies(outs)[0].seq == 2 and only(outs, RequestFailed).ext_req_id == "r1"
+    frame = _raw([TAG_READ_READY_BATCH, 1, "x", [["ghost", [1]]], [], 0, 1, 3])
+    assert of(ep.receive_frame(PEER, frame, 0.0), RequestFailed) == []
+
+
+def test_eviction_of_a_session_without_identity() -> None:
+    ep = endpoint(max_sessions=2)
+    send(ep, meta("p0"), peer=b"a")
+    send(ep, meta("p1"), peer=b"a")  # p0 loses its identity
+    send(ep, meta("p2"), peer=b"b")  # p0 is the oldest: forgotten
+    assert ep.sessions() == {"p1": "ready_v2", "p2": "ready_v2"}
+
+
+def test_readiness_for_aborted_or_failed_request_is_isolated_with_its_reason() -> None:
+    ep = ready()
+    ep.add_request("ab", [0], [0], 0.0)
+    ep.add_request("fa", [1], [1], 0.0)
+    ep.abort(["ab"], "client left", 0.0)
+    send(ep, Abort(ext_ids=["fa"], reason="lease"))
+    reply = replies(send(ep, rrb(0, [rr("ab", [1]), rr("fa", [1])], seq=1)))[0]
+    by_id = {f.ext_req_id: f for f in reply.failed}
+    assert by_id["ab"].code == ErrorCode.ABORTED and "aborted" in by_id["ab"].message
+    assert by_id["fa"].code == ErrorCode.ABORTED and "already failed" in by_id["fa"].message
+
+
+def test_prefill_abort_of_retired_id_is_ignored() -> None:
+    ep = ready()
+    ep.release("old", 0.0)
+    assert send(ep, Abort(ext_ids=["old"])) == []
+    assert ep.parked() == {} and ep.stats.aborts_received == 1
+
+
+def test_done_signal_of_request_aborted_during_read_does_not_count() -> None:
+    ep = ready()
+    ep.add_request("r1", [0], [0], 0.0)
+    outs = send(ep, rrb(LAST, [rr("r1", [1])], done=["r1"], seq=1))
+    ep.abort(["r1"], "gone", 0.1)
+    outs = finish(ep, outs)
+    assert of(outs, RequestDone) == [] and ep.requests() == {"r1": "aborted"}
+
+
+def test_failure_texts_are_dropped_when_the_reply_would_be_too_large(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import rd2h_protocol.consumer as consumer
+
+    monkeypatch.setattr(consumer, "_REPLY_TEXT_BUDGET", 10)
+    ep = ready()
+    outs = send(ep, rrb(0, [rr("someone", [1])], seq=1))
+    outs = ep.handle_timer(ep.get_timer() or 0.0)
+    (f,) = replies(outs)[0].failed
+    assert f.ext_req_id == "someone" and f.message == ""
+
+
+def test_two_parked_messages_for_one_request_expire_separately() -> None:
+    ep = ready()
+    send(ep, rrb(0, [rr("x", [1])], seq=1), now=0.0)
+    send(ep, rrb(1, [rr("x", [1])], seq=2), now=1.0)
+    outs = ep.handle_timer(ep.config.park_timeout_s)
+    assert [r.layer_idx for r in replies(outs)] == [0]
+    outs = ep.add_request("x", [0], [0], 2.0)
+    assert only(outs, StartRead).plan.layer_name == LAYER_NAMES[1]
+
+
+def test_parked_prefill_abort_resolved_by_local_release() -> None:
+    ep = ready()
+    send(ep, Abort(ext_ids=["x"]))
+    assert ep.release("x", 0.0) == [Releasable("x")]
+    assert ep.parked() == {} and ep.is_idle()
