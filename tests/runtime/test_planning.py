@@ -426,4 +426,4 @@ def test_benchmark_runs_and_agrees_with_its_baseline(capsys: pytest.CaptureFixtu
     assert bench.main(["--requests", "3", "--blocks", "5", "--repeats", "1"]) == 0
     out = capsys.readouterr().out
     assert "MISMATCH" not in out
-    assert out.count("x\n") == 4  # four rows, each ending with its ratio
+    assert out.count("x\n") == 6  # 3 shapes x 2 input forms, each row ending with its ratio
