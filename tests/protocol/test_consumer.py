@@ -1291,3 +1291,29 @@ def test_parked_prefill_abort_resolved_by_local_release() -> None:
     send(ep, Abort(ext_ids=["x"]))
     assert ep.release("x", 0.0) == [Releasable("x")]
     assert ep.parked() == {} and ep.is_idle()
+
+
+_wire_value = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.text(max_size=8)
+    | st.binary(max_size=8)
+    | st.sampled_from([b"read_ready_batch", b"mf_meta", b"abort", "r1", LAYER_NAMES[0]]),
+    lambda children: st.lists(children, max_size=9),
+    max_leaves=12,
+)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(_wire_value, max_size=10), st.binary(max_size=40))
+def test_hostile_frames_never_raise(fields: list[Any], noise: bytes) -> None:
+    ep = ready()
+    ep.add_request("r1", [0, 1], [0, 1], 0.0)
+    for frame in (_raw([TAG_READ_READY_BATCH, *fields]), _raw(fields), noise):
+        for out in ep.receive_frame(PEER, frame, 1.0):
+            if isinstance(out, Reply):
+                decode(encode(out.msg))  # every reply is a valid frame
+            if isinstance(out, StartRead):
+                ep.read_finished(out.plan.read_id, None, 1.0)
+    assert set(ep.requests()) <= {"r1"}
