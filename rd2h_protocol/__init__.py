@@ -5,6 +5,8 @@ topology rules, the state machines and the two endpoints that run them.
 """
 
 from rd2h_protocol.codec import decode, encode
+from rd2h_protocol.completion import CrossRankCompletion, RankReport
+from rd2h_protocol.consumer import ConsumerConfig, ConsumerEndpoint
 from rd2h_protocol.errors import (
     ConfigError,
     ErrorCode,
@@ -19,6 +21,13 @@ from rd2h_protocol.errors import (
     UnknownMessageKind,
     ValueOutOfRange,
 )
+from rd2h_protocol.layout import (
+    ComponentDest,
+    DestinationLayout,
+    LayerLayout,
+    decode_layer_metadata,
+    encode_layer_metadata,
+)
 from rd2h_protocol.messages import (
     ACK_V1,
     PROTOCOL_VERSION,
@@ -32,31 +41,50 @@ from rd2h_protocol.messages import (
     ReadReadyBatch,
     ReadReq,
 )
+from rd2h_protocol.plan import ComponentAddrs, ReadPlan, RequestRead
+from rd2h_protocol.producer import DecodeTarget, ProducerConfig, ProducerEndpoint
+from rd2h_protocol.rendezvous import Rendezvous
 
 __all__ = [
     "ACK_V1",
-    "PROTOCOL_VERSION",
     "Abort",
     "Ack",
+    "ComponentAddrs",
+    "ComponentDest",
     "ConfigError",
+    "ConsumerConfig",
+    "ConsumerEndpoint",
+    "CrossRankCompletion",
+    "DecodeTarget",
+    "DestinationLayout",
     "ErrorCode",
     "FailedRequest",
     "FrameTooLarge",
+    "LayerLayout",
     "LayoutMismatch",
     "LocalProtocolError",
     "MalformedFrame",
     "Message",
     "MfMeta",
+    "PROTOCOL_VERSION",
+    "ProducerConfig",
+    "ProducerEndpoint",
     "ProtocolError",
+    "RankReport",
     "ReadDone",
     "ReadFailed",
+    "ReadPlan",
     "ReadReadyBatch",
     "ReadReq",
     "RemoteProtocolError",
+    "Rendezvous",
+    "RequestRead",
     "TopologyError",
     "TransferError",
     "UnknownMessageKind",
     "ValueOutOfRange",
     "decode",
+    "decode_layer_metadata",
     "encode",
+    "encode_layer_metadata",
 ]
