@@ -47,6 +47,7 @@ from rd2h_protocol.rendezvous import Rendezvous
 
 __all__ = [
     "ACK_V1",
+    "PROTOCOL_VERSION",
     "Abort",
     "Ack",
     "ComponentAddrs",
@@ -66,7 +67,6 @@ __all__ = [
     "MalformedFrame",
     "Message",
     "MfMeta",
-    "PROTOCOL_VERSION",
     "ProducerConfig",
     "ProducerEndpoint",
     "ProtocolError",
