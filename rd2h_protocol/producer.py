@@ -483,7 +483,8 @@ class ProducerEndpoint:
         out: list[Output] = []
         last = layer_idx == self._last_layer
         deadline = now + self._lease_s
-        for reqs in list(self._step.values()):
+        pubs: list[_Pub] = []
+        for reqs in self._step.values():
             read_reqs: list[ReadReq] = []
             done: list[str] = []
             named: list[_Request] = []
@@ -501,8 +502,11 @@ class ProducerEndpoint:
                     continue
                 named.append(req)
             if named:
-                pub = self._publish(layer_idx, slots, read_reqs, done, named, deadline)
-                self._conn_publish(pub, now, out)
+                pubs.append(self._publish(layer_idx, slots, read_reqs, done, named, deadline))
+        # Every publication holds the gates before any connection acts on its own, so a
+        # refused connection releasing its share never reports a gate the others still hold.
+        for pub in pubs:
+            self._conn_publish(pub, now, out)
         return out
 
     def end_step(self, now: float) -> list[Output]:

@@ -322,6 +322,23 @@ def test_refused_handshake_fails_queued_and_later_requests_at_once() -> None:
     assert ep.is_idle()
 
 
+def test_refused_connection_does_not_report_a_gate_another_connection_holds() -> None:
+    ep = endpoint(1)
+    ep.add_request("a", target(), 0.0)
+    ep.schedule_chunk("a", [1], [1], 0, 0, True)
+    ep.layer_written(0, 0.0)
+    ep.receive(CONN, encode(Ack(protocol_version=2, error_code=13, error="compat")), 0.1)
+    ep.end_step(0.2)
+    ep.add_request("b", target(), 1.0)  # to the refused endpoint
+    ep.add_request("c", target(base_port=OTHER_PORT), 1.0)
+    ep.schedule_chunk("b", [1], [1], 0, 0, True)
+    ep.schedule_chunk("c", [1], [1], 0, 0, True)
+    out = ep.layer_written(0, 1.0)
+    assert opened(out) == []  # c's publication still holds the storage
+    assert finished(out)["b"].code == ErrorCode.INCOMPATIBLE
+    assert ep.gates() == {0: ("closed", 1), 1: ("closed", 1)}
+
+
 def test_refusal_without_reason_still_says_who_refused() -> None:
     ep = endpoint(1)
     ep.add_request("r1", target(), 0.0)

@@ -1,0 +1,206 @@
+"""Random runs of the Prefill endpoint against a scripted, misbehaving Decode network.
+
+Hypothesis drives requests, chunks, layer writes, replies (done, isolated failures, read
+failures, UNKNOWN_SESSION, duplicates, drops), aborts from both sides and time. After
+every step the storage-slot invariant (S1) and the request bookkeeping are checked; at the
+end time runs past every deadline and everything must be open and forgettable (L1, B1).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from test_producer import ACK_V1_FRAME, ack_v2, layers
+
+from rd2h_protocol.codec import decode, encode
+from rd2h_protocol.errors import ErrorCode
+from rd2h_protocol.messages import (
+    Abort,
+    Ack,
+    FailedRequest,
+    MfMeta,
+    ReadDone,
+    ReadFailed,
+    ReadReadyBatch,
+)
+from rd2h_protocol.producer import (
+    DecodeTarget,
+    GateOpened,
+    Output,
+    ProducerConfig,
+    ProducerEndpoint,
+    RequestFinished,
+    Send,
+)
+from rd2h_protocol.producer_machines import GATE_OPEN
+
+HOST = "127.0.0.1"
+ENGINES = (DecodeTarget(HOST, 20000, 1), DecodeTarget(HOST, 21000, 1))
+V2_CONN = f"{HOST}:20000"  # engine 0 speaks v2, engine 1 speaks v1
+N_LAYERS = 4
+LEASE_S = 5.0
+
+
+class ProducerModel(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ep = ProducerEndpoint(
+            ProducerConfig(
+                p_rank=0,
+                p_tp=1,
+                session="prefill-0",
+                layers=layers(N_LAYERS, storages=2),
+                lease_ms=int(LEASE_S * 1000),
+                handshake_timeout_s=2.0,
+            )
+        )
+        self.now = 0.0
+        self.network: list[tuple[str, Any]] = []  # (conn, message) sent, not yet handled
+        self.finished: dict[str, RequestFinished] = {}
+        self.next_id = 0
+        self.next_layer = 0
+        self.final_scheduled: set[str] = set()
+        self.scheduled = False  # chunks are scheduled once per step, before its layers
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def apply(self, out: list[Output]) -> None:
+        for o in out:
+            if isinstance(o, Send):
+                self.network.append((o.conn, decode(encode(o.msg))))
+            elif isinstance(o, RequestFinished):
+                assert o.ext_req_id not in self.finished, "finished twice"
+                assert o.ext_req_id not in self.ep.requests()
+                self.finished[o.ext_req_id] = o
+            elif isinstance(o, GateOpened):
+                assert self.ep.gates()[o.slot][0] == GATE_OPEN
+
+    # -- rules -----------------------------------------------------------------------------
+
+    @rule(engine=st.sampled_from(ENGINES))
+    def add(self, engine: DecodeTarget) -> None:
+        ext_id = f"r{self.next_id}"
+        self.next_id += 1
+        self.apply(self.ep.add_request(ext_id, engine, self.now))
+
+    @precondition(lambda self: self.next_layer == 0 and not self.scheduled)
+    @rule(data=st.data())
+    def schedule(self, data: st.DataObject) -> None:
+        self.scheduled = True
+        open_ = [e for e, s in self.ep.requests().items() if s in ("registered", "sending")]
+        for ext_id in data.draw(st.lists(st.sampled_from(open_), unique=True)) if open_ else []:
+            n = data.draw(st.integers(0, 3))
+            final = data.draw(st.booleans())
+            self.ep.schedule_chunk(ext_id, list(range(n)), list(range(n)), 0, 0, final)
+            if final:
+                self.final_scheduled.add(ext_id)
+
+    @precondition(lambda self: self.next_layer < N_LAYERS)
+    @rule()
+    def write_layer(self) -> None:
+        if not self.ep.can_overwrite(self.next_layer):
+            return  # the compute path waits
+        out = self.ep.layer_written(self.next_layer, self.now)
+        for o in out:
+            if isinstance(o, Send) and isinstance(o.msg, ReadReadyBatch):
+                if o.msg.layer_idx != N_LAYERS - 1:
+                    assert o.msg.done_ext_ids == []
+                assert set(o.msg.done_ext_ids) <= self.final_scheduled
+        self.apply(out)
+        self.next_layer += 1
+
+    @rule()
+    def end_step(self) -> None:
+        self.apply(self.ep.end_step(self.now))
+        self.next_layer = 0
+        self.scheduled = False
+
+    @precondition(lambda self: bool(self.network))
+    @rule(data=st.data())
+    def deliver(self, data: st.DataObject) -> None:
+        conn, msg = self.network.pop(data.draw(st.integers(0, len(self.network) - 1)))
+        v2 = conn == V2_CONN
+        replies: list[bytes] = []
+        if isinstance(msg, MfMeta):
+            action = data.draw(st.sampled_from(["ack", "ack", "refuse", "drop"]))
+            if action == "ack":
+                replies.append(ack_v2() if v2 else ACK_V1_FRAME)
+            elif action == "refuse" and v2:
+                replies.append(encode(Ack(protocol_version=2, error_code=13, error="compat")))
+        elif isinstance(msg, ReadReadyBatch):
+            seq = msg.seq if v2 else None
+            action = data.draw(
+                st.sampled_from(["done", "done", "isolate", "fail", "unknown", "drop", "twice"])
+            )
+            if action in ("done", "twice"):
+                replies.append(encode(ReadDone(layer_idx=msg.layer_idx, seq=seq)))
+            elif action == "isolate" and v2 and msg.read_reqs:
+                bad = [FailedRequest(msg.read_reqs[0].ext_req_id, ErrorCode.UNKNOWN_REQUEST)]
+                replies.append(encode(ReadDone(layer_idx=msg.layer_idx, seq=seq, failed=bad)))
+            elif action == "fail":
+                replies.append(encode(ReadFailed(layer_idx=msg.layer_idx, error="x", seq=seq)))
+            elif action == "unknown" and v2:
+                frame = ReadFailed(layer_idx=msg.layer_idx, seq=seq, code=ErrorCode.UNKNOWN_SESSION)
+                replies.append(encode(frame))
+            if action == "twice":
+                replies.append(replies[0])
+        else:
+            assert isinstance(msg, Abort) and v2  # a v1 peer is never sent an ABORT
+        for frame in replies:
+            self.apply(self.ep.receive(conn, frame, self.now))
+
+    @rule(dt=st.sampled_from([0.1, 1.0, 2.5, LEASE_S]))
+    def tick(self, dt: float) -> None:
+        self.now += dt
+        self.apply(self.ep.handle_timer(self.now))
+
+    @precondition(lambda self: bool(self.ep.requests()))
+    @rule(data=st.data(), from_decode=st.booleans())
+    def abort(self, data: st.DataObject, from_decode: bool) -> None:
+        ext_id = data.draw(st.sampled_from(sorted(self.ep.requests())))
+        if from_decode:
+            frame = encode(Abort(ext_ids=[ext_id], reason="decode gave up"))
+            self.apply(self.ep.receive(V2_CONN, frame, self.now))
+        else:
+            self.apply(self.ep.abort([ext_id], self.now))
+
+    # -- invariants ------------------------------------------------------------------------
+
+    @invariant()
+    def storage_slots_are_safe(self) -> None:
+        """S1: a slot is open exactly when no live publication may read it."""
+        gates = self.ep.gates()
+        holders = {slot: 0 for slot in gates}
+        for pub in self.ep.publications().values():
+            for slot in pub.slots:
+                holders[slot] += 1
+        for slot, (state, outstanding) in gates.items():
+            assert outstanding == holders[slot]
+            assert (state == GATE_OPEN) == (outstanding == 0)
+
+    @invariant()
+    def publications_name_only_live_requests(self) -> None:
+        live = self.ep.requests()
+        for pub in self.ep.publications().values():
+            assert set(pub.ext_ids) <= set(live)
+            assert pub.deadline > self.now  # handle_timer runs whenever time moves
+
+    def teardown(self) -> None:
+        """L1 and B1: past every deadline, all gates open; aborting the rest empties it."""
+        ep = self.ep
+        self.apply(ep.end_step(self.now))
+        while (deadline := ep.get_timer()) is not None:
+            self.now = max(self.now, deadline)
+            self.apply(ep.handle_timer(self.now))
+        assert all(state == (GATE_OPEN, 0) for state in ep.gates().values())
+        assert ep.publications() == {}
+        assert set(ep.requests().values()) <= {"registered", "sending"}
+        self.apply(ep.abort(list(ep.requests()), self.now))
+        assert ep.is_idle()
+
+
+TestProducerModel = ProducerModel.TestCase
+TestProducerModel.settings = settings(max_examples=100, stateful_step_count=30, deadline=None)
