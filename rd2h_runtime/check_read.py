@@ -482,9 +482,18 @@ def _both_in_processes(
         procs[role] = proc
         threading.Thread(target=_pump, args=(proc, role, lines), daemon=True).start()
 
-    def tail() -> str:
+    def failed(reason: str) -> CheckResult:
+        # One-line reason (it becomes the last line printed); the children's last output
+        # goes to the details, printed above it.
         last = [f"{r}: {line}" for r in ("prefill", "decode") for line in output[r][-15:]]
-        return "\n".join(last)
+        verdicts = [
+            line.split("FAIL: ", 1)[1]
+            for r in ("decode", "prefill")
+            for line in output[r]
+            if line.startswith("FAIL: ")
+        ]
+        why = f"{reason}: {verdicts[0]}" if verdicts else reason
+        return CheckResult(False, why, backend, details=["child output:", *last])
 
     try:
         start("prefill", 0)
@@ -493,7 +502,7 @@ def _both_in_processes(
         while len(ended) < len(procs):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                return CheckResult(False, f"timed out after {timeout_s}s\n{tail()}", backend)
+                return failed(f"timed out after {timeout_s}s")
             try:
                 role, line = lines.get(timeout=remaining)
             except queue.Empty:
@@ -502,9 +511,7 @@ def _both_in_processes(
                 ended.add(role)
                 procs[role].wait(max(0.1, deadline - time.monotonic()))
                 if role == "prefill" and "decode" not in procs:
-                    return CheckResult(
-                        False, f"Prefill exited before it was ready\n{tail()}", backend
-                    )
+                    return failed("Prefill exited before it was ready")
                 continue
             output[role].append(line)
             if role == "prefill" and line.startswith(_READY_PREFIX) and "decode" not in procs:
@@ -512,10 +519,10 @@ def _both_in_processes(
                 start("decode", port)
         decode_result = _parse_result(output["decode"])
         if decode_result is None:
-            return CheckResult(False, f"Decode printed no result\n{tail()}", backend)
+            return failed("Decode printed no result")
         codes = {role: proc.returncode for role, proc in procs.items()}
         if decode_result.ok and any(codes.values()):
-            return CheckResult(False, f"a child failed (exit codes {codes})\n{tail()}", backend)
+            return failed(f"a child failed (exit codes {codes})")
         return CheckResult(**{**asdict(decode_result), "role": "both"})
     finally:
         for proc in procs.values():

@@ -120,7 +120,7 @@ def create_backend(
 
 def _is_missing(exc: ModuleNotFoundError, module: str) -> bool:
     missing = exc.name or ""
-    return missing == module or missing.startswith(module + ".") or module.startswith(missing)
+    return missing == module or missing.startswith(module + ".")
 
 
 def merge_regions(regions: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:

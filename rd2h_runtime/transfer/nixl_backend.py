@@ -21,7 +21,10 @@ from __future__ import annotations
 import base64
 import binascii
 import contextlib
+import importlib
+import importlib.util
 import os
+import sys
 import threading
 import time
 import uuid
@@ -45,23 +48,47 @@ _CLOSE_WAIT_S: Final = 5.0
 # NIXL raises one exception class per status (nixlNotFoundError for NIXL_ERR_NOT_FOUND, ...);
 # the numeric code is looked up from the binding's status enum on first use.
 _status_codes: dict[str, int] = {}
+# The NIXL build in use (nixl_cu13, nixl_cu12, ...), chosen on first use.
+_package: str | None = None
 
 
 def _import_nixl() -> tuple[Any, Any]:
+    """NIXL's ``nixl_agent`` and ``nixl_agent_config`` classes."""
+    global _package
     # UCX probes InfiniBand when loaded; on hosts without it both processes crash at exit
     # unless its ib module is excluded. Must be set before the first import of nixl.
     os.environ.setdefault("UCX_MODULES", "^ib")
-    from nixl._api import nixl_agent, nixl_agent_config
+    if _package is None:
+        _package = _choose_package()
+    api = importlib.import_module(f"{_package}._api")
+    return api.nixl_agent, api.nixl_agent_config
 
-    return nixl_agent, nixl_agent_config
+
+def _choose_package() -> str:
+    # The `nixl` meta package picks a CUDA build (nixl_cu12/nixl_cu13) from torch, and
+    # imports torch to do so when torch is installed without CUDA: seconds of start-up for
+    # a choice that does not matter for host memory. When torch is not loaded yet, take the
+    # first installed build directly; otherwise (e.g. inside vLLM) follow the meta package so
+    # the process keeps a single NIXL/UCX copy.
+    if "torch" not in sys.modules and "nixl" not in sys.modules:
+        try:
+            meta_installed = importlib.util.find_spec("nixl") is not None
+        except (ValueError, ImportError):
+            meta_installed = False
+        if meta_installed:
+            for name in ("nixl_cu13", "nixl_cu12", "nixl_rocm"):
+                if importlib.util.find_spec(name) is not None:
+                    return name
+    import nixl
+
+    return str(nixl._api.__name__.rsplit(".", 1)[0])
 
 
 def _code(exc: BaseException) -> int | None:
     """NIXL's status code for one of its exceptions (``None`` for other exceptions)."""
-    if not _status_codes:
-        from nixl._bindings import nixl_status_t
-
-        for status_name, value in nixl_status_t.__members__.items():
+    if not _status_codes and _package is not None:
+        bindings = importlib.import_module(f"{_package}._bindings")
+        for status_name, value in bindings.nixl_status_t.__members__.items():
             words = status_name.removeprefix("NIXL_ERR_").split("_")
             _status_codes["nixl" + "".join(w.capitalize() for w in words) + "Error"] = int(value)
     return _status_codes.get(type(exc).__name__)
