@@ -1,0 +1,456 @@
+"""One Decode TP rank bound to the world: endpoint, ROUTER, read worker, transfer backend.
+
+Theory of operation
+-------------------
+:class:`DecodeWorker` owns a sans-IO :class:`~rd2h_protocol.consumer.ConsumerEndpoint`,
+a :class:`~rd2h_runtime.control.DecodeControlServer` (the rank's ROUTER, one I/O thread),
+a read worker thread and a :class:`~rd2h_runtime.transfer.TransferBackend` in which the
+rank's destinations are registered. It takes no protocol decision: it passes
+``time.monotonic()`` as ``now`` and executes the endpoint's outputs in order --
+:class:`~rd2h_protocol.consumer.Reply` / :class:`~rd2h_protocol.consumer.SendAbort` go to
+the ROUTER, :class:`~rd2h_protocol.consumer.StartRead` goes to the read worker's queue,
+:class:`~rd2h_protocol.consumer.RequestDone` / :class:`~rd2h_protocol.consumer.RequestFailed`
+/ :class:`~rd2h_protocol.consumer.Releasable` are recorded for the caller -- and hands the
+endpoint's next deadline to the ROUTER's timer.
+
+The socket loop never runs a read (departure 7): a plan is turned into descriptors
+(:func:`~rd2h_runtime.planning.build_descriptors`) and read on the read worker, bounded by
+``read_timeout_s``; the outcome goes back to the endpoint with ``read_finished``. So
+ACKs, replies and ABORTs for other peers keep flowing while a read runs. A read whose
+``start_by`` passed before the worker got to it is not started: it is reported as a
+``LEASE_EXPIRED`` failure, as the endpoint asks.
+
+Three threads call into the endpoint (the caller, the I/O thread, the read worker); ONE
+lock serialises every call together with the execution of its outputs, which never
+block (the ROUTER queues frames, the read queue is unbounded and holds at most one plan
+per readiness message). Lock order: this worker's lock, then the server's internal lock.
+
+``read_timeout_s`` should stay below half the Prefill lease: a read that starts at its
+``start_by`` then ends (or is abandoned) before the lease can expire on Prefill, so
+Prefill never reuses storage under a read that might still report success.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Final
+
+from rd2h_protocol.codec import encode
+from rd2h_protocol.consumer import (
+    ConsumerConfig,
+    ConsumerEndpoint,
+    ConsumerStats,
+    Output,
+    Releasable,
+    Reply,
+    RequestDone,
+    RequestFailed,
+    SendAbort,
+    StartRead,
+)
+from rd2h_protocol.errors import ErrorCode, LocalProtocolError, ProtocolError, TransferError
+from rd2h_protocol.layout import DestinationLayout
+from rd2h_runtime.control import (
+    ConnectionEvent,
+    ControlClosed,
+    ControlOptions,
+    ControlStats,
+    DecodeControlServer,
+    PeerFrame,
+    PeerSendFailed,
+    QueueFull,
+    ServerEvent,
+    TimerDue,
+)
+from rd2h_runtime.planning import build_descriptors
+from rd2h_runtime.transfer import TransferBackend
+
+__all__ = ["DecodeMetrics", "DecodeWorker", "Outcome", "destination_regions"]
+
+log = logging.getLogger("rd2h_runtime.decode")
+
+_CLOSE_TIMEOUT_S: Final = 10.0
+
+
+def destination_regions(layers: Iterable[tuple[str, DestinationLayout]]) -> list[tuple[int, int]]:
+    """The memory regions of a set of Decode destinations: ``(addr, length)`` each."""
+    regions: list[tuple[int, int]] = []
+    for _, dst in layers:
+        for comp in (dst.k, dst.v, dst.indexer, dst.scale):
+            if comp is not None:
+                regions.append((comp.base, comp.block_bytes * comp.num_blocks))
+    return regions
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """How a request ended on this rank: done (``ok``) or failed with ``code``/``message``."""
+
+    ext_req_id: str
+    ok: bool
+    code: ErrorCode | None = None
+    message: str = ""
+    at: float = 0.0  # time.monotonic() when the endpoint reported it
+
+
+@dataclass(slots=True)
+class DecodeMetrics:
+    """Runtime counters of one worker (the endpoint's own are in ``stats``)."""
+
+    reads: int = 0
+    read_failures: int = 0
+    reads_not_started: int = 0  # start_by passed while queued
+    read_bytes: int = 0
+    descriptors: int = 0
+    read_s: float = 0.0  # total time inside backend.read
+    frames_sent: int = 0
+    send_failures: int = 0  # replies the server refused or could not deliver
+    handler_errors: int = 0  # exceptions caught on the I/O thread or the read worker
+
+
+class DecodeWorker:
+    """One Decode TP rank: a consumer endpoint bound to a ROUTER, a read worker, a backend.
+
+    The ROUTER binds ``host:port`` (``port`` 0: an ephemeral port, read it back from
+    :attr:`port`). ``regions`` default to :func:`destination_regions` of ``config.layers``.
+    The backend is closed with the worker when ``own_backend`` is True. ``on_outcome`` is
+    called (outside the lock) with every :class:`Outcome`; outcomes are also kept until
+    :meth:`release`, for :meth:`wait_finished`.
+    """
+
+    def __init__(
+        self,
+        config: ConsumerConfig,
+        backend: TransferBackend,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        regions: Sequence[tuple[int, int]] | None = None,
+        control_options: ControlOptions | None = None,
+        read_timeout_s: float = 10.0,
+        on_outcome: Callable[[Outcome], None] | None = None,
+        own_backend: bool = True,
+    ) -> None:
+        self.config = config
+        self._backend = backend
+        self._own_backend = own_backend
+        self._read_timeout_s = read_timeout_s
+        self._on_outcome = on_outcome
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._endpoint = ConsumerEndpoint(config)
+        self._outcomes: dict[str, Outcome] = {}
+        self._releasable: set[str] = set()
+        self._errors: list[BaseException] = []
+        self._reads: queue.SimpleQueue[StartRead | None] = queue.SimpleQueue()
+        self._pending_reads = 0
+        self.metrics = DecodeMetrics()
+        self._closed = False
+        self._reader = threading.Thread(
+            target=self._read_loop, name=f"rd2h-decode-reader-{config.d_rank}", daemon=True
+        )
+        try:
+            backend.register(
+                list(regions) if regions is not None else destination_regions(config.layers)
+            )
+            self._server = DecodeControlServer(
+                host, port, handler=self._on_event, options=control_options
+            )
+            self._server.start()
+        except BaseException:
+            if own_backend:
+                backend.close()
+            raise
+        self._reader.start()
+
+    # -- caller API ------------------------------------------------------------------------
+
+    @property
+    def port(self) -> int:
+        """The port the ROUTER is bound to."""
+        return self._server.port
+
+    @property
+    def host(self) -> str:
+        """The host the ROUTER is bound on."""
+        return self._server.host
+
+    def add_request(
+        self, ext_req_id: str, main_block_ids: Sequence[int], indexer_block_ids: Sequence[int]
+    ) -> None:
+        """Register the request's destination block ids (logical order) on this rank."""
+        main, idx = list(main_block_ids), list(indexer_block_ids)
+        self._call(lambda now: self._endpoint.add_request(ext_req_id, main, idx, now))
+
+    def abort(self, ext_ids: Iterable[str], reason: str = "aborted by Decode") -> None:
+        """Fail these requests now (``ABORTED``); their v2 Prefill peers are told."""
+        ids = list(ext_ids)
+        self._call(lambda now: self._endpoint.abort(ids, reason, now))
+
+    def release(self, ext_req_id: str) -> bool:
+        """vLLM is done with the request: True if its blocks may be freed now.
+
+        Otherwise a read may still write them, and :meth:`wait_releasable` says when they
+        may. The request's outcome is forgotten.
+        """
+        self._call(lambda now: self._endpoint.release(ext_req_id, now))
+        with self._lock:
+            self._outcomes.pop(ext_req_id, None)
+            if ext_req_id in self._releasable:
+                self._releasable.discard(ext_req_id)
+                return True
+            return False
+
+    def wait_releasable(self, ext_req_id: str, timeout: float) -> bool:
+        """Wait until a released request's blocks may be freed; False on timeout."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while ext_req_id not in self._releasable:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+            self._releasable.discard(ext_req_id)
+            return True
+
+    def wait_finished(self, ext_req_id: str, timeout: float) -> Outcome | None:
+        """The request's outcome on this rank, waiting up to ``timeout``; None on timeout."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while ext_req_id not in self._outcomes:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self._cond.wait(left)
+            return self._outcomes[ext_req_id]
+
+    def outcomes(self) -> dict[str, Outcome]:
+        """Every outcome not released yet."""
+        with self._lock:
+            return dict(self._outcomes)
+
+    # -- views -----------------------------------------------------------------------------
+
+    @property
+    def stats(self) -> ConsumerStats:
+        """A snapshot of the endpoint's counters."""
+        with self._lock:
+            return dataclasses.replace(self._endpoint.stats)
+
+    @property
+    def control_stats(self) -> ControlStats:
+        """A snapshot of the ROUTER's counters."""
+        return self._server.stats
+
+    @property
+    def errors(self) -> list[BaseException]:
+        """Exceptions caught on the I/O thread or the read worker (a bug if not empty)."""
+        with self._lock:
+            return list(self._errors)
+
+    def requests(self) -> dict[str, str]:
+        """``{ext_id: state}`` of every request the endpoint holds."""
+        with self._lock:
+            return self._endpoint.requests()
+
+    def in_flight_reads(self) -> dict[int, tuple[str, ...]]:
+        """Reads in flight and the requests whose blocks they write."""
+        with self._lock:
+            return self._endpoint.in_flight_reads()
+
+    def is_idle(self) -> bool:
+        """No per-request state left: in the endpoint, the read queue or the outcomes."""
+        with self._lock:
+            return (
+                self._endpoint.is_idle()
+                and not self._pending_reads
+                and not self._outcomes
+                and not self._releasable
+            )
+
+    @property
+    def healthy(self) -> bool:
+        """The I/O thread and the read worker run and nothing raised on them."""
+        with self._lock:
+            return self._server.running and self._reader.is_alive() and not self._errors
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop the ROUTER and the read worker, close the backend (if owned). Idempotent.
+
+        A read in progress is waited for (it is bounded by ``read_timeout_s``); queued
+        plans are dropped.
+        """
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            self._cond.notify_all()
+        try:
+            self._server.close(_CLOSE_TIMEOUT_S)
+        finally:
+            self._reads.put(None)
+            self._reader.join(self._read_timeout_s + _CLOSE_TIMEOUT_S)
+            if self._own_backend:
+                self._backend.close()
+
+    def __enter__(self) -> DecodeWorker:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _call(self, fn: Callable[[float], list[Output]]) -> None:
+        with self._lock:
+            if self._closed:
+                raise ControlClosed("the Decode worker is closed")
+            reported = self._execute(fn(time.monotonic()))
+        self._report(reported)
+
+    def _execute(self, outputs: list[Output]) -> list[Outcome]:
+        """Execute ``outputs`` in order (lock held), then re-arm the timer."""
+        reported: list[Outcome] = []
+        wake = False
+        for out in outputs:
+            if isinstance(out, Reply | SendAbort):
+                self._send(out.peer, encode(out.msg))
+            elif isinstance(out, StartRead):
+                self._pending_reads += 1
+                self._reads.put(out)
+            elif isinstance(out, RequestDone):
+                reported.append(Outcome(out.ext_req_id, True, at=time.monotonic()))
+            elif isinstance(out, RequestFailed):
+                reported.append(
+                    Outcome(out.ext_req_id, False, out.code, out.message, time.monotonic())
+                )
+            elif isinstance(out, Releasable):
+                self._releasable.add(out.ext_req_id)
+                wake = True
+            else:  # pragma: no cover - the endpoint has no other output
+                raise LocalProtocolError(f"unexpected endpoint output {out!r}")
+        for outcome in reported:
+            # The endpoint reports each request once; keep the first in any case.
+            self._outcomes.setdefault(outcome.ext_req_id, outcome)
+            wake = True
+        if wake:
+            self._cond.notify_all()
+        with contextlib.suppress(ControlClosed):  # closing
+            self._server.set_timer(self._endpoint.get_timer())
+        return reported
+
+    def _send(self, peer: bytes, payload: bytes) -> None:
+        try:
+            self._server.send(peer, payload)
+        except (QueueFull, ControlClosed) as exc:
+            # The reply is lost: Prefill's lease covers it.
+            self.metrics.send_failures += 1
+            log.warning("reply to %r dropped: %s", peer, exc)
+        else:
+            self.metrics.frames_sent += 1
+
+    def _report(self, reported: list[Outcome]) -> None:
+        callback = self._on_outcome
+        if callback is None:
+            return
+        for outcome in reported:
+            try:
+                callback(outcome)
+            except Exception:
+                log.exception("on_outcome callback raised for %s", outcome.ext_req_id)
+
+    def _on_event(self, event: ServerEvent) -> None:
+        """The ROUTER's I/O thread: frames, timers, delivery failures."""
+        reported: list[Outcome] = []
+        try:
+            with self._lock:
+                if self._closed:
+                    return
+                now = time.monotonic()
+                if isinstance(event, PeerFrame):
+                    outs = self._endpoint.receive_frame(event.peer, event.payload, now)
+                    reported = self._execute(outs)
+                elif isinstance(event, TimerDue):
+                    reported = self._execute(self._endpoint.handle_timer(now))
+                elif isinstance(event, PeerSendFailed):
+                    self.metrics.send_failures += 1
+                elif isinstance(event, ConnectionEvent):
+                    pass  # Prefill's leases and re-handshakes deal with lost connections
+        except Exception as exc:
+            with self._lock:
+                self._errors.append(exc)
+                self.metrics.handler_errors += 1
+            log.exception("Decode worker: error while handling %r", type(event).__name__)
+        self._report(reported)
+
+    def _read_loop(self) -> None:
+        while True:
+            item = self._reads.get()
+            if item is None:
+                return
+            error = self._read(item)
+            reported: list[Outcome] = []
+            try:
+                with self._lock:
+                    self._pending_reads -= 1
+                    if self._closed:
+                        continue
+                    outs = self._endpoint.read_finished(item.plan.read_id, error, time.monotonic())
+                    reported = self._execute(outs)
+            except Exception as exc:
+                with self._lock:
+                    self._errors.append(exc)
+                    self.metrics.handler_errors += 1
+                log.exception("Decode worker: error after read %d", item.plan.read_id)
+            self._report(reported)
+
+    def _read(self, item: StartRead) -> TransferError | None:
+        """Run one plan; the error to report, or None on success. Never raises."""
+        plan = item.plan
+        now = time.monotonic()
+        if item.start_by is not None and now > item.start_by:
+            self.metrics.reads_not_started += 1
+            late = TransferError(
+                f"read {plan.read_id} not started: its start_by passed "
+                f"{now - item.start_by:.3f} s ago while it waited for the read worker"
+            )
+            late.code = ErrorCode.LEASE_EXPIRED
+            return late
+        try:
+            desc = build_descriptors(plan)
+            start = time.monotonic()
+            try:
+                self._backend.read(
+                    plan.session,
+                    desc.remote_addrs,
+                    desc.local_addrs,
+                    desc.lengths,
+                    timeout_s=self._read_timeout_s,
+                )
+            finally:
+                self.metrics.read_s += time.monotonic() - start
+        except TransferError as exc:
+            self.metrics.read_failures += 1
+            return exc
+        except ProtocolError as exc:
+            # A plan the planner refuses (addresses past 64 bits): fail the read, not the
+            # thread; retrying it cannot help.
+            self.metrics.read_failures += 1
+            return TransferError(f"read {plan.read_id} could not be planned: {exc.message}")
+        except Exception as exc:
+            self.metrics.read_failures += 1
+            log.exception("read %d raised", plan.read_id)
+            return TransferError(f"read {plan.read_id} raised {exc!r}")
+        self.metrics.reads += 1
+        self.metrics.read_bytes += desc.total_bytes
+        self.metrics.descriptors += len(desc)
+        return None

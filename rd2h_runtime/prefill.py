@@ -1,0 +1,407 @@
+"""One Prefill TP rank bound to the world: endpoint, DEALERs, transfer backend, clock.
+
+Theory of operation
+-------------------
+:class:`PrefillWorker` owns a sans-IO :class:`~rd2h_protocol.producer.ProducerEndpoint`,
+a :class:`~rd2h_runtime.control.PrefillControlClient` (one DEALER per Decode endpoint, one
+I/O thread) and a :class:`~rd2h_runtime.transfer.TransferBackend` in which the rank's KV
+regions are registered, so that Decode can read them. It takes no protocol decision: it
+passes ``time.monotonic()`` as ``now``, executes the endpoint's outputs in order
+(:class:`~rd2h_protocol.producer.Connect` and :class:`~rd2h_protocol.producer.Send` go to
+the client, :class:`~rd2h_protocol.producer.GateOpened` wakes the compute path,
+:class:`~rd2h_protocol.producer.RequestFinished` is reported) and hands the endpoint's
+next deadline to the client's timer.
+
+Two threads call into the endpoint: the compute path (the model runner: ``add_request``,
+``schedule_chunk``, ``wait_writable``, ``layer_written``, ``end_step``, ``abort``) and the
+client's I/O thread (frames from Decode and timers). The endpoint is not thread-safe, so
+ONE lock serialises every call into it together with the execution of its outputs; the
+outputs of one call are therefore executed before any other call starts. Executing an
+output never blocks (the client queues frames), so the lock is held for microseconds.
+``wait_writable`` waits on a condition of that same lock and is woken by the outputs
+(``GateOpened``) of whichever thread reopened the gate: a reply, or an expired lease.
+
+Lock order: this worker's lock, then the client's internal lock (``send``,
+``set_timer``); the client never calls into the worker while holding its own lock, so the
+two cannot deadlock. Completion callbacks run outside the lock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Final
+
+from rd2h_protocol.codec import encode
+from rd2h_protocol.errors import ConfigError, LocalProtocolError
+from rd2h_protocol.layout import LayerLayout
+from rd2h_protocol.producer import (
+    Connect,
+    DecodeTarget,
+    GateOpened,
+    Output,
+    ProducerConfig,
+    ProducerEndpoint,
+    ProducerStats,
+    PublicationView,
+    RequestFinished,
+    Send,
+)
+from rd2h_runtime.control import (
+    ClientEvent,
+    ConnectionEvent,
+    ConnFrame,
+    ControlClosed,
+    ControlError,
+    ControlOptions,
+    ControlStats,
+    PrefillControlClient,
+    QueueFull,
+    TimerDue,
+)
+from rd2h_runtime.transfer import TransferBackend
+
+__all__ = ["PrefillMetrics", "PrefillWorker", "layout_regions"]
+
+log = logging.getLogger("rd2h_runtime.prefill")
+
+_CLOSE_TIMEOUT_S: Final = 10.0
+
+
+def layout_regions(layers: Iterable[tuple[str, LayerLayout]]) -> list[tuple[int, int]]:
+    """The memory regions a set of Prefill layer layouts exposes: ``(addr, length)`` each.
+
+    Every tensor of every layer spans ``num_blocks * block_bytes(i)`` bytes from its base
+    address (layers of a reuse ring repeat the same regions; the backend merges them).
+    Raises :class:`ConfigError` for a layout without ``num_blocks``: its extent is unknown,
+    so the caller must name the regions itself.
+    """
+    regions: list[tuple[int, int]] = []
+    for name, layout in layers:
+        if layout.num_blocks is None:
+            raise ConfigError(
+                f"layer {name!r} has no num_blocks, so its memory extent is unknown; "
+                "pass the regions to register explicitly"
+            )
+        for i, base in enumerate(layout.base_addrs):
+            regions.append((base, layout.num_blocks * layout.block_bytes(i)))
+    return regions
+
+
+@dataclass(slots=True)
+class PrefillMetrics:
+    """Runtime counters of one worker (the endpoint's own are in ``stats``)."""
+
+    gate_waits: int = 0  # wait_writable calls that found the storage busy
+    gate_wait_s: float = 0.0  # total time spent waiting for gates
+    gate_timeouts: int = 0  # wait_writable calls that gave up
+    frames_sent: int = 0
+    send_failures: int = 0  # frames the client refused (queue full or closed)
+    disconnects: int = 0  # Decode connections that dropped (ZMQ monitor)
+    handler_errors: int = 0  # exceptions caught on the I/O thread
+
+
+class PrefillWorker:
+    """One Prefill TP rank: a producer endpoint bound to DEALERs, a backend and a clock.
+
+    ``config.session`` is replaced by ``backend.session_id`` (taken after registration,
+    since some engines put the registered memory in it): Decode passes the MF_META session
+    to its backend to reach this rank's memory, so nothing else can be right.
+    ``regions`` default to :func:`layout_regions` of ``config.layers``. The backend is
+    closed with the worker when ``own_backend`` is True.
+
+    ``on_finished`` is called (outside the lock, on whichever thread produced it) with
+    every :class:`RequestFinished`; without it, results are kept until
+    :meth:`wait_finished` or :meth:`take_finished` collects them.
+    """
+
+    def __init__(
+        self,
+        config: ProducerConfig,
+        backend: TransferBackend,
+        *,
+        regions: Sequence[tuple[int, int]] | None = None,
+        control_options: ControlOptions | None = None,
+        on_finished: Callable[[RequestFinished], None] | None = None,
+        own_backend: bool = True,
+        name: str | None = None,
+    ) -> None:
+        self._backend = backend
+        self._own_backend = own_backend
+        self._on_finished = on_finished
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._finished: dict[str, RequestFinished] = {}
+        self._errors: list[BaseException] = []
+        self.metrics = PrefillMetrics()
+        self._closed = False
+        try:
+            backend.register(
+                list(regions) if regions is not None else layout_regions(config.layers)
+            )
+            self.config = dataclasses.replace(config, session=backend.session_id)
+            self._endpoint = ProducerEndpoint(self.config)
+            self._client = PrefillControlClient(
+                handler=self._on_event,
+                options=control_options,
+                name=name or f"p{config.p_rank}",
+            )
+            self._client.start()
+        except BaseException:
+            if own_backend:
+                backend.close()
+            raise
+
+    # -- compute path ----------------------------------------------------------------------
+
+    def add_request(self, ext_req_id: str, target: DecodeTarget) -> None:
+        """Register a request to publish to the Decode engine ``target``."""
+        self._call(lambda now: self._endpoint.add_request(ext_req_id, target, now))
+
+    def schedule_chunk(
+        self,
+        ext_req_id: str,
+        main_block_ids: Sequence[int],
+        indexer_block_ids: Sequence[int],
+        main_start_block: int,
+        indexer_start_block: int,
+        final: bool,
+    ) -> None:
+        """Schedule the request's blocks of the current step (before its first layer)."""
+        self._call(
+            lambda now: self._endpoint.schedule_chunk(
+                ext_req_id,
+                main_block_ids,
+                indexer_block_ids,
+                main_start_block,
+                indexer_start_block,
+                final,
+            )
+        )
+
+    def wait_writable(self, layer_idx: int, timeout: float) -> bool:
+        """Block until the storage ``layer_idx`` writes may be overwritten; False on timeout.
+
+        Woken by every reply or expired lease that reopens a gate. Under the "raise" read
+        failure policy a failed read of that storage raises
+        :class:`~rd2h_protocol.errors.TransferError` here (once), as v1 does.
+        """
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            if self._endpoint.can_overwrite(layer_idx):
+                return True
+            self.metrics.gate_waits += 1
+            start = time.monotonic()
+            try:
+                while not self._endpoint.can_overwrite(layer_idx):
+                    left = deadline - time.monotonic()
+                    if left <= 0 or self._closed:
+                        self.metrics.gate_timeouts += 1
+                        return False
+                    self._cond.wait(left)
+                return True
+            finally:
+                self.metrics.gate_wait_s += time.monotonic() - start
+
+    def can_overwrite(self, layer_idx: int) -> bool:
+        """Whether the storage of ``layer_idx`` is free now (never blocks)."""
+        with self._lock:
+            return self._endpoint.can_overwrite(layer_idx)
+
+    def layer_written(self, layer_idx: int) -> None:
+        """Layer ``layer_idx`` of the current step is in storage: publish it.
+
+        Call only after :meth:`wait_writable` returned True for this layer (the endpoint
+        raises :class:`~rd2h_protocol.errors.LocalProtocolError` otherwise).
+        """
+        self._call(lambda now: self._endpoint.layer_written(layer_idx, now))
+
+    def end_step(self) -> None:
+        """The engine step is over (requests whose chunk missed a layer fail)."""
+        self._call(self._endpoint.end_step)
+
+    def abort(self, ext_ids: Iterable[str]) -> None:
+        """Stop publishing these requests; their v2 Decode endpoints are told."""
+        ids = list(ext_ids)
+        self._call(lambda now: self._endpoint.abort(ids, now))
+
+    # -- completions -----------------------------------------------------------------------
+
+    def wait_finished(self, ext_req_id: str, timeout: float) -> RequestFinished | None:
+        """Wait for (and take) the request's :class:`RequestFinished`; None on timeout."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while ext_req_id not in self._finished:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self._cond.wait(left)
+            return self._finished.pop(ext_req_id)
+
+    def take_finished(self) -> list[RequestFinished]:
+        """Every result not collected yet, in completion order (without a callback)."""
+        with self._lock:
+            out = list(self._finished.values())
+            self._finished.clear()
+            return out
+
+    # -- views -----------------------------------------------------------------------------
+
+    @property
+    def session(self) -> str:
+        """The transfer session Decode reads this rank's memory through."""
+        return self.config.session
+
+    @property
+    def stats(self) -> ProducerStats:
+        """A snapshot of the endpoint's counters."""
+        with self._lock:
+            return dataclasses.replace(self._endpoint.stats)
+
+    @property
+    def control_stats(self) -> ControlStats:
+        """A snapshot of the control client's counters."""
+        return self._client.stats
+
+    @property
+    def errors(self) -> list[BaseException]:
+        """Exceptions caught on the I/O thread (a bug if not empty)."""
+        with self._lock:
+            return list(self._errors)
+
+    def gates(self) -> dict[int, tuple[str, int]]:
+        """``{slot: (state, outstanding publications)}`` (see the endpoint)."""
+        with self._lock:
+            return self._endpoint.gates()
+
+    def requests(self) -> dict[str, str]:
+        """``{ext_id: state}`` of every request not finished yet."""
+        with self._lock:
+            return self._endpoint.requests()
+
+    def publications(self) -> dict[int, PublicationView]:
+        """Every publication still waiting for its reply."""
+        with self._lock:
+            return self._endpoint.publications()
+
+    def is_idle(self) -> bool:
+        """True when the endpoint holds no per-request state."""
+        with self._lock:
+            return self._endpoint.is_idle()
+
+    @property
+    def healthy(self) -> bool:
+        """The I/O thread runs and nothing raised on it."""
+        with self._lock:
+            return self._client.running and not self._errors
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop the I/O thread, close every socket, close the backend (if owned). Idempotent.
+
+        Waiters in :meth:`wait_writable` return False.
+        """
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            self._cond.notify_all()
+        try:
+            self._client.close(_CLOSE_TIMEOUT_S)
+        finally:
+            if self._own_backend:
+                self._backend.close()
+
+    def __enter__(self) -> PrefillWorker:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _call(self, fn: Callable[[float], list[Output]]) -> None:
+        """Run one endpoint call and its outputs under the lock; report completions after."""
+        with self._lock:
+            if self._closed:
+                raise ControlClosed("the Prefill worker is closed")
+            finished = self._execute(fn(time.monotonic()))
+        self._report(finished)
+
+    def _execute(self, outputs: list[Output]) -> list[RequestFinished]:
+        """Execute ``outputs`` in order (lock held), then re-arm the timer."""
+        finished: list[RequestFinished] = []
+        wake = False
+        for out in outputs:
+            if isinstance(out, Send):
+                self._send(out.conn, encode(out.msg))
+            elif isinstance(out, GateOpened):
+                wake = True
+            elif isinstance(out, RequestFinished):
+                finished.append(out)
+            elif isinstance(out, Connect):
+                try:
+                    self._client.connect(out.conn)
+                except ControlError as exc:
+                    # Frames for it fail in send() too; its leases expire and free the gates.
+                    self.metrics.send_failures += 1
+                    log.warning("cannot open the DEALER to %s: %s", out.conn, exc)
+            else:  # pragma: no cover - the endpoint has no other output
+                raise LocalProtocolError(f"unexpected endpoint output {out!r}")
+        if finished and self._on_finished is None:
+            for f in finished:
+                self._finished[f.ext_req_id] = f
+            wake = True
+        if wake:
+            self._cond.notify_all()
+        with contextlib.suppress(ControlClosed):  # closing: no timer can matter any more
+            self._client.set_timer(self._endpoint.get_timer())
+        return finished if self._on_finished is not None else []
+
+    def _send(self, conn: str, payload: bytes) -> None:
+        try:
+            self._client.send(conn, payload)
+        except (QueueFull, ControlClosed) as exc:
+            # The frame is lost; the publication's lease expires and reopens its gates.
+            self.metrics.send_failures += 1
+            log.warning("frame for %s dropped: %s", conn, exc)
+        else:
+            self.metrics.frames_sent += 1
+
+    def _report(self, finished: list[RequestFinished]) -> None:
+        callback = self._on_finished
+        if callback is None:
+            return
+        for f in finished:
+            try:
+                callback(f)
+            except Exception:
+                log.exception("on_finished callback raised for %s", f.ext_req_id)
+
+    def _on_event(self, event: ClientEvent) -> None:
+        """The client's I/O thread: frames from Decode, timers, connection events."""
+        finished: list[RequestFinished] = []
+        try:
+            with self._lock:
+                if self._closed:
+                    return
+                now = time.monotonic()
+                if isinstance(event, ConnFrame):
+                    finished = self._execute(self._endpoint.receive(event.conn, event.payload, now))
+                elif isinstance(event, TimerDue):
+                    finished = self._execute(self._endpoint.handle_timer(now))
+                elif isinstance(event, ConnectionEvent) and event.kind == "disconnected":
+                    self.metrics.disconnects += 1
+        except Exception as exc:
+            # Never let a bug kill the thread that carries every reply; keep it visible.
+            with self._lock:
+                self._errors.append(exc)
+                self.metrics.handler_errors += 1
+            log.exception("Prefill worker: error while handling %r", type(event).__name__)
+        self._report(finished)
