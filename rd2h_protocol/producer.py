@@ -143,8 +143,9 @@ ReadFailurePolicy: TypeAlias = Literal["isolate", "raise"]
 ProtocolChoice: TypeAlias = Literal["v2", "v1"]
 
 _MAX_LEASE_MS: Final = (1 << 32) - 1  # lease_ms is a uint32 on the wire
-# Requests that may still be mentioned by a message we send (not yet drained).
+# Request states that end as soon as no live publication names the request.
 _DRAINABLE: Final = frozenset({REQ_FINAL_SENT, REQ_FAILING, REQ_ABORTING})
+# Request states whose blocks Decode may still be asked to read.
 _STILL_READ: Final = frozenset({*REQ_PUBLISHING, REQ_FINAL_SENT})
 
 
@@ -462,7 +463,7 @@ class ProducerEndpoint:
         identity from that endpoint's TP size; done ids on the last layer), each leased
         until ``now + lease``; the layer's gates close until every one has ended.
         Raises :class:`LocalProtocolError` if the storage is still in use (the runtime
-        must wait for :meth:`can_overwrite`) or the layer was written twice this step.
+        must wait for :meth:`can_overwrite`) or the layer is not after the step's last.
         """
         slots = self._slots_of(layer_idx)
         if layer_idx <= self._step_top:
@@ -560,7 +561,9 @@ class ProducerEndpoint:
 
     # -- peer input ------------------------------------------------------------------------
 
-    def receive(self, conn: str, msg: Message | bytes, now: float) -> list[Output]:
+    def receive(
+        self, conn: str, msg: Message | bytes | bytearray | memoryview, now: float
+    ) -> list[Output]:
         """Handle one frame (or decoded message) from Decode endpoint ``conn``.
 
         Never raises for peer input: malformed, unexpected, unknown, stale and duplicate
