@@ -44,7 +44,15 @@ import numpy.typing as npt
 
 from rd2h_protocol.errors import ConfigError, ProtocolError, TransferError
 
-__all__ = ["CheckResult", "main", "pattern", "run_check_read", "scatter_ranges"]
+__all__ = [
+    "CheckResult",
+    "SourceInfo",
+    "main",
+    "pattern",
+    "prefill_source",
+    "run_check_read",
+    "scatter_ranges",
+]
 
 DEFAULT_SIZE: Final = 64 << 20
 DEFAULT_CHUNK: Final = 1 << 20
@@ -529,6 +537,101 @@ def _both_in_processes(
             if proc.poll() is None:
                 proc.kill()
                 proc.wait(5)
+
+
+@dataclass(frozen=True)
+class SourceInfo:
+    """A running Prefill source, as Decode sees it (see :func:`prefill_source`)."""
+
+    backend: str
+    session: str
+    addr: int
+    length: int
+    seed: int
+    sha256: str
+
+
+@contextlib.contextmanager
+def prefill_source(
+    backend: str,
+    size: int,
+    *,
+    host: str = "127.0.0.1",
+    seed: int = DEFAULT_SEED,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    options: dict[str, Any] | None = None,
+) -> Iterator[SourceInfo]:
+    """Run a Prefill source of ``size`` pattern bytes; yield what a reader needs.
+
+    For tests and benchmarks that read from a real peer with their own Decode backend: the
+    source runs in a child process (in a thread for ``loopback``, which cannot cross
+    processes) and stays registered until the ``with`` block ends.
+    """
+    import zmq
+
+    ready: queue.Queue[str] = queue.Queue()
+    output: list[str] = []
+    proc: subprocess.Popen[str] | None = None
+    thread: threading.Thread | None = None
+    if backend == "loopback":
+
+        def serve() -> None:
+            serve_prefill(
+                backend, host=host, size=size, seed=seed, timeout_s=timeout_s,
+                options=options, on_ready=ready.put,
+            )  # fmt: skip
+
+        thread = threading.Thread(target=serve, name="rd2h-source", daemon=True)
+        thread.start()
+    else:
+        proc = subprocess.Popen(
+            _child_args(backend, "prefill", host, 0, size, DEFAULT_CHUNK, seed, timeout_s, options),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+
+        def pump() -> None:
+            assert proc is not None and proc.stdout is not None
+            for line in proc.stdout:
+                output.append(line.rstrip("\n"))
+                if line.startswith(_READY_PREFIX):
+                    ready.put(line[len(_READY_PREFIX) :].strip())
+            ready.put("")  # exited
+
+        threading.Thread(target=pump, name="rd2h-source-output", daemon=True).start()
+    try:
+        endpoint = ready.get(timeout=timeout_s)
+        if not endpoint:
+            verdicts = [line for line in output if line.startswith("FAIL: ")]
+            said = verdicts[-1] if verdicts else " | ".join(output[-5:])
+            raise RuntimeError(f"{backend} source exited: {said}")
+        with _socket(zmq.REQ, timeout_s) as sock:
+            sock.connect(endpoint)
+            sock.send_json({"op": "hello", "backend": backend})
+            info = _recv(sock, f"answer from the {backend} source")
+            if info.get("op") != "source":
+                raise RuntimeError(f"{backend} source refused: {info!r}")
+            try:
+                yield SourceInfo(
+                    backend, str(info["session"]), int(info["addr"]), int(info["length"]),
+                    int(info["seed"]), str(info["sha256"]),
+                )  # fmt: skip
+            finally:
+                # Always release the source, also when the reader failed.
+                with contextlib.suppress(TimeoutError, zmq.ZMQError):
+                    sock.send_json({"op": "result", "result": {"ok": True, "reason": "done"}})
+                    _recv(sock, "goodbye from the source")
+    finally:
+        if proc is not None:
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+        if thread is not None:
+            thread.join(10)
 
 
 def _parse_result(lines: list[str]) -> CheckResult | None:

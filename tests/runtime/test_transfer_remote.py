@@ -15,10 +15,9 @@ import numpy as np
 import pytest
 
 from rd2h_protocol.errors import ConfigError, TransferError
-from rd2h_runtime.check_read import pattern
+from rd2h_runtime.check_read import SourceInfo, pattern
 from rd2h_runtime.transfer import TransferBackend, create_backend
 from rd2h_runtime.transfer.mooncake_backend import MAX_BATCH_SLICES
-from tests.runtime.conftest import TransferSource
 
 SOURCE_BYTES = 64 << 20
 BACKENDS = ["nixl", "mooncake"]
@@ -33,13 +32,13 @@ def expected_bytes(size: int, seed: int) -> np.ndarray:
 
 @pytest.fixture(params=BACKENDS)
 def source(
-    request: pytest.FixtureRequest, transfer_source: Callable[[str, int], TransferSource]
-) -> TransferSource:
+    request: pytest.FixtureRequest, transfer_source: Callable[[str, int], SourceInfo]
+) -> SourceInfo:
     return transfer_source(request.param, SOURCE_BYTES)
 
 
 @pytest.fixture
-def reader(source: TransferSource) -> Iterator[tuple[TransferBackend, np.ndarray]]:
+def reader(source: SourceInfo) -> Iterator[tuple[TransferBackend, np.ndarray]]:
     """A Decode backend of the source's kind with a registered, zeroed destination."""
     dest = np.zeros(source.length, dtype=np.uint8)
     with create_backend(source.backend, role="decode") as backend:
@@ -48,7 +47,7 @@ def reader(source: TransferSource) -> Iterator[tuple[TransferBackend, np.ndarray
 
 
 def test_reads_every_byte_of_the_source(
-    source: TransferSource, reader: tuple[TransferBackend, np.ndarray]
+    source: SourceInfo, reader: tuple[TransferBackend, np.ndarray]
 ) -> None:
     backend, dest = reader
     chunk = 64 << 10
@@ -59,7 +58,7 @@ def test_reads_every_byte_of_the_source(
 
 
 def test_batch_larger_than_the_engine_limit_is_read_whole(
-    source: TransferSource, reader: tuple[TransferBackend, np.ndarray]
+    source: SourceInfo, reader: tuple[TransferBackend, np.ndarray]
 ) -> None:
     # Mooncake's TCP lane refuses ~4096 slices in one batch; the backend splits. NIXL takes
     # the batch as one request. Either way every descriptor must land.
@@ -78,7 +77,7 @@ def test_batch_larger_than_the_engine_limit_is_read_whole(
 
 
 def test_remote_range_outside_registered_memory_fails_cleanly(
-    source: TransferSource, reader: tuple[TransferBackend, np.ndarray]
+    source: SourceInfo, reader: tuple[TransferBackend, np.ndarray]
 ) -> None:
     backend, dest = reader
     with pytest.raises(TransferError) as info:
@@ -94,7 +93,7 @@ def test_remote_range_outside_registered_memory_fails_cleanly(
 
 @pytest.mark.parametrize("which", ["malformed", "no such peer"])
 def test_bad_session_fails_cleanly(
-    source: TransferSource, reader: tuple[TransferBackend, np.ndarray], which: str
+    source: SourceInfo, reader: tuple[TransferBackend, np.ndarray], which: str
 ) -> None:
     backend, dest = reader
     if source.backend == "nixl":
@@ -110,7 +109,7 @@ def test_bad_session_fails_cleanly(
 
 
 def test_local_range_outside_registered_memory_never_reaches_the_engine(
-    source: TransferSource, reader: tuple[TransferBackend, np.ndarray]
+    source: SourceInfo, reader: tuple[TransferBackend, np.ndarray]
 ) -> None:
     backend, _dest = reader
     unregistered = np.zeros(4096, dtype=np.uint8)
@@ -121,7 +120,7 @@ def test_local_range_outside_registered_memory_never_reaches_the_engine(
 
 
 def test_read_is_bounded_by_its_timeout(
-    source: TransferSource, reader: tuple[TransferBackend, np.ndarray]
+    source: SourceInfo, reader: tuple[TransferBackend, np.ndarray]
 ) -> None:
     backend, dest = reader
     # Warm the connection up so the timed read is all data movement.
@@ -140,7 +139,7 @@ def test_read_is_bounded_by_its_timeout(
 
 
 def test_mooncake_batches_are_split_at_the_limit(
-    transfer_source: Callable[[str, int], TransferSource],
+    transfer_source: Callable[[str, int], SourceInfo],
 ) -> None:
     source = transfer_source("mooncake", SOURCE_BYTES)
     dest = np.zeros(1 << 20, dtype=np.uint8)
