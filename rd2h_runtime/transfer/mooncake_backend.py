@@ -63,7 +63,16 @@ class MooncakeBackend(TransferBackend):
                 f"max_batch_slices must be in [1, {MAX_BATCH_SLICES}]; got {max_batch_slices}"
             )
         self._batch = int(max_batch_slices)
-        from mooncake.engine import TransferEngine
+        try:
+            from mooncake.engine import TransferEngine
+        except ModuleNotFoundError:
+            raise  # the factory turns this into MissingExtra naming the pip extra
+        except ImportError as exc:
+            raise ConfigError(
+                f"mooncake is installed but its engine library does not load ({exc}); it "
+                "links the RDMA user-space libraries even for TCP: "
+                "apt-get install libibverbs1 librdmacm1"
+            ) from exc
 
         self._engine: Any = TransferEngine()
         ret = self._engine.initialize(host, _METADATA, protocol, device_name)

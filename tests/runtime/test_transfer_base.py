@@ -141,3 +141,20 @@ def test_runner_stops_waiting_at_the_deadline_and_refuses_overlap() -> None:
     release.set()
     assert runner.wait_idle(5)
     assert runner.run(lambda: 2, time.monotonic() + 5, "after") == 2
+
+
+def test_mooncake_without_its_system_libraries_says_what_to_install(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    class BrokenEngine:
+        """Import hook that fails like a missing libibverbs.so.1 does."""
+
+        def find_spec(self, name: str, *args: object) -> None:
+            if name == "mooncake.engine":
+                raise ImportError("libibverbs.so.1: cannot open shared object file")
+            return None
+
+    monkeypatch.delitem(sys.modules, "mooncake.engine", raising=False)
+    monkeypatch.setattr(sys, "meta_path", [BrokenEngine(), *sys.meta_path])
+    with pytest.raises(ConfigError, match="apt-get install libibverbs1 librdmacm1"):
+        create_backend("mooncake", role="decode")
