@@ -29,6 +29,7 @@ so the run breaks are computed on the ids.
 
 from __future__ import annotations
 
+import functools
 import struct
 import threading
 from collections.abc import Iterable, Sequence
@@ -98,7 +99,8 @@ class BlockIds:
 
     ``src[i]`` is read into ``dst[i]``; ``counts[r]`` is how many of the ids belong to
     request ``r`` (requests in plan order, zero allowed). Callers that already hold numpy
-    arrays can build this directly and skip :func:`gather_ids`.
+    arrays can build this directly and skip :func:`gather_ids`; any 1-d integer arrays
+    are taken (and stored as int64).
     """
 
     src: I64Array
@@ -106,21 +108,24 @@ class BlockIds:
     counts: I64Array
 
     def __post_init__(self) -> None:
-        n = self.src.shape[0]
-        if self.src.ndim != 1 or self.dst.shape != (n,) or self.counts.ndim != 1:
+        src, dst = _array_ids(self.src), _array_ids(self.dst)
+        counts = _array_ids(self.counts)
+        n = src.shape[0]
+        if dst.shape[0] != n:
             raise LocalProtocolError(
-                f"block ids: expected 1-d src/dst of equal length, found shapes "
-                f"{self.src.shape} and {self.dst.shape} (counts {self.counts.shape})",
-                ErrorCode.MALFORMED,
+                f"block ids: src has {n} ids, dst has {dst.shape[0]}", ErrorCode.MALFORMED
             )
-        total = int(self.counts.sum())
-        if total != n or (self.counts.size and int(self.counts.min()) < 0):
+        total = int(counts.sum())
+        if total != n or (counts.size and int(counts.min()) < 0):
             raise LocalProtocolError(
                 f"block ids: per-request counts must be >= 0 and sum to {n}, found sum {total}",
                 ErrorCode.MALFORMED,
             )
-        if n and min(int(self.src.min()), int(self.dst.min())) < 0:
+        if n and min(int(src.min()), int(dst.min())) < 0:
             raise LocalProtocolError("block ids must be >= 0", ErrorCode.OUT_OF_RANGE)
+        object.__setattr__(self, "src", src)
+        object.__setattr__(self, "dst", dst)
+        object.__setattr__(self, "counts", counts)
 
 
 class _Scratch(threading.local):
@@ -155,15 +160,16 @@ class _Scratch(threading.local):
         return buf[:n]
 
 
-_SCRATCH_MAX_ITEMS = 1 << 20
+_SCRATCH_MAX_ITEMS = 1 << 21
 _scratch = _Scratch()
 
 
 def _array_ids(arr: npt.NDArray[Any]) -> I64Array:
     """One numpy id array as int64, refusing non-integers and values past int64."""
-    if arr.dtype.kind not in "iu":
+    if not isinstance(arr, np.ndarray) or arr.dtype.kind not in "iu":
         raise LocalProtocolError(
-            f"block ids must be integers, found dtype {arr.dtype}", ErrorCode.MALFORMED
+            f"block ids must be an integer array, found {getattr(arr, 'dtype', type(arr))}",
+            ErrorCode.MALFORMED,
         )
     if arr.ndim != 1:
         raise LocalProtocolError(
@@ -174,25 +180,26 @@ def _array_ids(arr: npt.NDArray[Any]) -> I64Array:
     return arr.astype(np.int64, copy=False)
 
 
-def _to_i64(seqs: list[Sequence[int]], total: int, scratch: str | None) -> I64Array:
-    """Concatenate id sequences into one int64 array with no Python work per id.
+def _pack(seqs: list[Sequence[int]], out: I64Array) -> None:
+    """Write the id sequences one after another into ``out`` (exactly their total length).
 
-    With ``scratch`` the result may live in that per-thread buffer (internal use only).
+    No Python work per id: numpy arrays are concatenated, ranges become ``arange``, other
+    sequences are packed by struct in C (about twice as fast as ``np.fromiter``; unboxing
+    the Python ints is the floor either way).
     """
-    if total == 0:
-        return np.zeros(0, dtype=np.int64)
-    out = _scratch.get(scratch, total, np.int64) if scratch else np.empty(total, np.int64)
+    if not out.shape[0]:
+        return
     # (mypy does not narrow Sequence[int] to ndarray inside the comprehension)
     arrays = [cast("npt.NDArray[Any]", s) for s in seqs if isinstance(s, np.ndarray)]
     if len(arrays) == len(seqs):
         try:
             # "safe" casting takes any narrower integer type and refuses floats and uint64
             # (which could wrap); those, and arrays that are not 1-d, go the checked way.
-            return np.concatenate(arrays, out=out, casting="safe")
+            np.concatenate(arrays, out=out, casting="safe")
+            return
         except (TypeError, ValueError):
-            return np.concatenate([_array_ids(a) for a in arrays])
-    # Python sequences: struct packs a whole request's ints in C, about twice as fast as
-    # np.fromiter over the same ints (the unboxing dominates either way).
+            np.concatenate([_array_ids(a) for a in arrays], out=out)
+            return
     at = 0
     raw = out.data  # a writable memoryview for struct
     try:
@@ -209,18 +216,10 @@ def _to_i64(seqs: list[Sequence[int]], total: int, scratch: str | None) -> I64Ar
         raise LocalProtocolError(
             f"block ids must be int64 integers: {exc}", ErrorCode.OUT_OF_RANGE
         ) from exc
-    return out
 
 
-def _gather(requests: Iterable[RequestRead], group: str, *, scratch: bool) -> BlockIds:
-    if group == "main":
-        pairs = [(r.main_src, r.main_dst) for r in requests]
-    elif group == "indexer":
-        pairs = [(r.indexer_src, r.indexer_dst) for r in requests]
-    else:
-        raise ValueError(f"id group must be 'main' or 'indexer', not {group!r}")
-    srcs = [p[0] for p in pairs]
-    dsts = [p[1] for p in pairs]
+def _lengths(group: str, srcs: list[Sequence[int]], dsts: list[Sequence[int]]) -> I64Array:
+    """Per-request id counts of one group; src and dst must pair up."""
     src_counts = np.fromiter(map(len, srcs), dtype=np.int64, count=len(srcs))
     dst_counts = np.fromiter(map(len, dsts), dtype=np.int64, count=len(dsts))
     if not np.array_equal(src_counts, dst_counts):
@@ -230,29 +229,33 @@ def _gather(requests: Iterable[RequestRead], group: str, *, scratch: bool) -> Bl
             f"dst has {int(dst_counts[bad])}",
             ErrorCode.MALFORMED,
         )
-    total = int(src_counts.sum())
-    return BlockIds(
-        _to_i64(srcs, total, f"{group}_src" if scratch else None),
-        _to_i64(dsts, total, f"{group}_dst" if scratch else None),
-        src_counts,
-    )
+    return src_counts
 
 
-def gather_ids(requests: Iterable[RequestRead], group: str) -> BlockIds:
+def _group_seqs(
+    requests: Iterable[RequestRead], group: str
+) -> tuple[list[Sequence[int]], list[Sequence[int]]]:
+    if group == "main":
+        return [r.main_src for r in requests], [r.main_dst for r in requests]
+    if group == "indexer":
+        return [r.indexer_src for r in requests], [r.indexer_dst for r in requests]
+    raise ValueError(f"id group must be 'main' or 'indexer', not {group!r}")
+
+
+def gather_ids(requests: Sequence[RequestRead], group: str) -> BlockIds:
     """Concatenate the ``group`` ids (``"main"`` or ``"indexer"``) of all ``requests``."""
-    return _gather(requests, group, scratch=False)
+    srcs, dsts = _group_seqs(requests, group)
+    counts = _lengths(group, srcs, dsts)
+    n = int(counts.sum())
+    src, dst = np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64)
+    _pack(srcs, src)
+    _pack(dsts, dst)
+    return BlockIds(src, dst, counts)
 
 
-def _runs(ids: BlockIds, tag: str) -> tuple[I64Array, U64Array]:
-    """Start index and length (in blocks) of every mergeable run of ``ids``.
-
-    The results live in per-thread scratch named after ``tag``: use them before the next
-    call with the same tag.
-    """
-    src, dst = ids.src, ids.dst
+def _runs(src: I64Array, dst: I64Array, counts: I64Array) -> tuple[I64Array, U64Array]:
+    """Start index and length (in blocks) of every mergeable run (results in scratch)."""
     n = src.shape[0]
-    if n == 0:
-        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.uint64)
     brk = _scratch.get("brk", n, np.bool_)
     step = _scratch.get("step", n - 1, np.int64)  # ids are >= 0: differences cannot wrap
     dst_brk = _scratch.get("dst_brk", n - 1, np.bool_)
@@ -263,14 +266,14 @@ def _runs(ids: BlockIds, tag: str) -> tuple[I64Array, U64Array]:
     np.subtract(dst[1:], dst[:-1], out=step)
     np.not_equal(step, 1, out=dst_brk)
     np.logical_or(brk[1:], dst_brk, out=brk[1:])
-    # Every request starts a new run; empty requests put their boundary on the same index
-    # as the next one (harmless) or at n (dropped).
-    bounds = np.cumsum(ids.counts[:-1])
+    # Every request (and so every group) starts a new run; empty requests put their
+    # boundary on the same index as the next one (harmless) or at n (dropped).
+    bounds = np.cumsum(counts[:-1])
     brk[bounds[bounds < n]] = True
     k = int(np.count_nonzero(brk))
-    starts: I64Array = _scratch.get(f"{tag}_starts", k, np.int64)
+    starts: I64Array = _scratch.get("starts", k, np.int64)
     np.compress(brk, _scratch.arange(n), out=starts)
-    blocks: U64Array = _scratch.get(f"{tag}_blocks", k, np.uint64)
+    blocks: U64Array = _scratch.get("blocks", k, np.uint64)
     np.subtract(starts[1:], starts[:-1], out=blocks[:-1], casting="unsafe")
     blocks[-1] = n - int(starts[-1])
     return starts, blocks
@@ -300,6 +303,90 @@ def _check_fits(comp: ComponentAddrs, max_src: int, max_dst: int) -> None:
             )
 
 
+@functools.lru_cache(maxsize=1024)
+def _columns(comps: tuple[ComponentAddrs, ...]) -> tuple[U64Array, U64Array, U64Array]:
+    """Block sizes, src bases and dst bases of ``comps`` as uint64 columns.
+
+    Cached: a layer's components are the same values message after message, and building
+    tiny arrays is a noticeable part of planning a small message.
+    """
+    cols = tuple(
+        np.array(values, dtype=np.uint64).reshape(-1, 1)
+        for values in (
+            [c.block_bytes for c in comps],
+            [c.src_base for c in comps],
+            [c.dst_base for c in comps],
+        )
+    )
+    for col in cols:
+        col.flags.writeable = False
+    return cols[0], cols[1], cols[2]
+
+
+def _descriptors(
+    groups: Sequence[tuple[Sequence[ComponentAddrs], int]], ids: I64Array, counts: I64Array
+) -> Descriptors:
+    """The core: ``groups`` = (components, id count) per id group, in output order.
+
+    ``ids`` holds every group's src ids one after another, then every group's dst ids in
+    the same layout; ``counts`` the per-request counts of all groups, in the same order.
+    One run search covers all groups at once (a group starts with a request, so it
+    starts a run).
+    """
+    n = sum(n_g for _, n_g in groups)
+    src, dst = ids[:n], ids[n:]
+    if n and int(ids.min()) < 0:
+        raise LocalProtocolError("block ids must be >= 0", ErrorCode.OUT_OF_RANGE)
+    offsets = [0]
+    for comps, n_g in groups:
+        off = offsets[-1]
+        top_src = int(src[off : off + n_g].max()) if n_g else -1
+        top_dst = int(dst[off : off + n_g].max()) if n_g else -1
+        for comp in comps:
+            _check_fits(comp, top_src, top_dst)
+        offsets.append(off + n_g)
+
+    if n:
+        starts, blocks = _runs(src, dst, counts)
+        # Which runs belong to which group: runs are in id order and never straddle groups.
+        cuts = np.searchsorted(starts, offsets).tolist()
+        k = starts.shape[0]
+        # Gather each side's run-start ids once for all groups and components.
+        run_src: U64Array = _scratch.get("run_src", k, np.uint64)
+        run_dst: U64Array = _scratch.get("run_dst", k, np.uint64)
+        np.take(src, starts, out=run_src.view(np.int64), mode="clip")  # starts are in range
+        np.take(dst, starts, out=run_dst.view(np.int64), mode="clip")
+    else:
+        cuts = [0] * len(offsets)
+    total = sum(len(comps) * (cuts[g + 1] - cuts[g]) for g, (comps, _) in enumerate(groups))
+    remote = np.empty(total, dtype=np.uint64)
+    local = np.empty(total, dtype=np.uint64)
+    lengths = np.empty(total, dtype=np.uint64)
+    counts_out: list[tuple[str, int]] = []
+    at = 0
+    for g, (comps, _) in enumerate(groups):
+        lo, hi = cuts[g], cuts[g + 1]
+        k_g = hi - lo
+        for comp in comps:
+            counts_out.append((comp.name, k_g))
+        if not k_g:
+            continue
+        # All components of the group in one broadcast: a (components, runs) view of the
+        # output, rows = components. No wrap: _check_fits bounded every address by 2**64.
+        size, src_bases, dst_bases = _columns(tuple(comps))
+        span = slice(at, at + len(comps) * k_g)
+        at = span.stop
+        for run_ids, out, bases in ((run_src, remote, src_bases), (run_dst, local, dst_bases)):
+            view = out[span].reshape(len(comps), k_g)
+            np.multiply(run_ids[lo:hi], size, out=view)
+            np.add(view, bases, out=view)
+        np.multiply(blocks[lo:hi], size, out=lengths[span].reshape(len(comps), k_g))
+    for arr in (remote, local, lengths):
+        # Read-only: backends get views of these, nobody should patch a planned read.
+        arr.flags.writeable = False
+    return Descriptors(remote, local, lengths, tuple(counts_out))
+
+
 def descriptors_from_ids(
     main: Sequence[ComponentAddrs],
     main_ids: BlockIds,
@@ -309,69 +396,44 @@ def descriptors_from_ids(
     """Descriptors for pre-concatenated ids; see the module docstring for the rule and order.
 
     ``main_ids`` serves every component of ``main`` (K, V), ``indexer_ids`` every component
-    of ``indexer`` (indexer, then the optional scale). Raises
-    :class:`~rd2h_protocol.errors.LocalProtocolError` when an address would not fit in
-    64 bits or a block length is not positive.
+    of ``indexer`` (indexer, then the optional scale); a group without components is not
+    read. Raises :class:`~rd2h_protocol.errors.LocalProtocolError` when an address would
+    not fit in 64 bits or a block length is not positive.
     """
-    groups: list[tuple[Sequence[ComponentAddrs], BlockIds, I64Array, U64Array]] = []
-    for comps, ids in ((main, main_ids), (indexer, indexer_ids)):
-        if not comps:
-            continue
-        n = ids.src.shape[0]
-        max_src = int(ids.src.max()) if n else -1
-        max_dst = int(ids.dst.max()) if n else -1
-        for comp in comps:
-            _check_fits(comp, max_src, max_dst)
-        groups.append((comps, ids, *_runs(ids, f"g{len(groups)}")))
-
-    total = sum(len(comps) * starts.shape[0] for comps, _, starts, _ in groups)
-    remote = np.empty(total, dtype=np.uint64)
-    local = np.empty(total, dtype=np.uint64)
-    lengths = np.empty(total, dtype=np.uint64)
-    counts: list[tuple[str, int]] = []
-    at = 0
-    for comps, ids, starts, blocks in groups:
-        k = starts.shape[0]
-        spans = [slice(at + j * k, at + (j + 1) * k) for j in range(len(comps))]
-        at += len(comps) * k
-        for side, out, base_of in (
-            (ids.src, remote, _src_base),
-            (ids.dst, local, _dst_base),
-        ):
-            # Gather the run-start ids once per group into the LAST component's span, derive
-            # the other components' addresses from it, then scale that span in place: no
-            # temporaries. No wrap: _check_fits bounded base + (max id + 1) * bb by 2**64.
-            raw = out[spans[-1]]
-            np.take(side, starts, out=raw.view(np.int64), mode="clip")  # starts are in range
-            for comp, span in zip(comps, spans, strict=True):
-                np.multiply(raw, np.uint64(comp.block_bytes), out=out[span])
-                np.add(out[span], np.uint64(base_of(comp)), out=out[span])
-        for comp, span in zip(comps, spans, strict=True):
-            np.multiply(blocks, np.uint64(comp.block_bytes), out=lengths[span])
-            counts.append((comp.name, k))
-    for arr in (remote, local, lengths):
-        # Read-only: backends get views of these, nobody should patch a planned read.
-        arr.flags.writeable = False
-    return Descriptors(remote, local, lengths, tuple(counts))
-
-
-def _src_base(comp: ComponentAddrs) -> int:
-    return comp.src_base
-
-
-def _dst_base(comp: ComponentAddrs) -> int:
-    return comp.dst_base
+    used = [(c, ids) for c, ids in ((main, main_ids), (indexer, indexer_ids)) if c]
+    n = sum(ids.src.shape[0] for _, ids in used)
+    buf: I64Array = _scratch.get("ids", 2 * n, np.int64)
+    if used:
+        np.concatenate([ids.src for _, ids in used] + [ids.dst for _, ids in used], out=buf)
+        counts = np.concatenate([ids.counts for _, ids in used])
+    else:
+        counts = np.zeros(0, dtype=np.int64)
+    return _descriptors([(c, ids.src.shape[0]) for c, ids in used], buf, counts)
 
 
 def build_descriptors(plan: ReadPlan) -> Descriptors:
     """All descriptors of ``plan`` (every request, every component) for ONE batched read.
 
     Id sequences may be lists, tuples, ranges or numpy integer arrays; when every request
-    of a group holds numpy arrays they are concatenated without touching single ids.
+    of a group holds numpy arrays they are concatenated without touching single ids. A
+    group without components (e.g. ``plan.main == ()``) is not read, nor are its ids.
     """
-    return descriptors_from_ids(
-        plan.main,
-        _gather(plan.requests, "main", scratch=True),
-        plan.indexer,
-        _gather(plan.requests, "indexer", scratch=True),
-    )
+    srcs: list[Sequence[int]] = []
+    dsts: list[Sequence[int]] = []
+    counts: list[I64Array] = []
+    groups: list[tuple[Sequence[ComponentAddrs], int]] = []
+    for comps, group in ((plan.main, "main"), (plan.indexer, "indexer")):
+        if not comps:
+            continue
+        g_src, g_dst = _group_seqs(plan.requests, group)
+        g_counts = _lengths(group, g_src, g_dst)
+        srcs += g_src
+        dsts += g_dst
+        counts.append(g_counts)
+        groups.append((comps, int(g_counts.sum())))
+    n = sum(n_g for _, n_g in groups)
+    buf: I64Array = _scratch.get("ids", 2 * n, np.int64)
+    _pack(srcs, buf[:n])
+    _pack(dsts, buf[n:])
+    all_counts = np.concatenate(counts) if counts else np.zeros(0, dtype=np.int64)
+    return _descriptors(groups, buf, all_counts)

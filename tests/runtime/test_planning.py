@@ -152,6 +152,14 @@ def test_no_merge_across_components() -> None:
     assert triples(d) == [(0, 1 << 40, 256), (256, (1 << 40) + 256, 256)]
 
 
+def test_no_merge_across_id_groups() -> None:
+    # The indexer ids continue the main ids on both sides (the planner searches runs over
+    # both groups at once): each group still starts its own runs.
+    d = assert_matches_oracle(make_plan([req([1, 2], [5, 6], [3, 4], [7, 8])]))
+    assert [c for _, c in d.component_counts] == [1, 1, 1, 1]
+    assert d.lengths.tolist() == [2048, 256, 256, 8]
+
+
 def test_empty_plan_and_empty_requests() -> None:
     d = assert_matches_oracle(make_plan([]))
     assert len(d) == 0 and d.total_bytes == 0
