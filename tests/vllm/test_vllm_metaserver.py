@@ -1,0 +1,254 @@
+"""rd2h_vllm.metaserver against a real aiohttp server on 127.0.0.1 (port chosen at run time)."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import pytest
+from aiohttp import web
+
+from rd2h_protocol.errors import ErrorCode
+from rd2h_protocol.rendezvous import Rendezvous, decode_rendezvous
+from rd2h_vllm.config import MetaserverOptions
+from rd2h_vllm.metaserver import (
+    MetaserverClient,
+    MetaserverRejected,
+    MetaserverUnavailable,
+    RendezvousPoster,
+    backoff_delay,
+)
+
+FAST = MetaserverOptions(
+    timeout_s=2.0, max_attempts=4, backoff_s=0.02, backoff_max_s=0.05, deadline_s=10.0
+)
+
+
+def rendezvous(request_id: str = "cmpl-abc-0") -> Rendezvous:
+    return Rendezvous(
+        request_id=request_id,
+        remote_engine_id="decode-engine",
+        remote_host="127.0.0.1",
+        remote_port=20050,
+        remote_tp_size=2,
+        remote_cached_tokens=0,
+    )
+
+
+@dataclass
+class Script:
+    """What the server answers: one entry per request (the last one repeats).
+
+    An int is an HTTP status; ``"hang"`` answers nothing for 30 s (a stalled proxy).
+    """
+
+    replies: list[int | str] = field(default_factory=lambda: [200])
+    bodies: list[bytes] = field(default_factory=list)
+    times: list[float] = field(default_factory=list)
+
+
+class MetaServer:
+    """A real aiohttp metaserver in its own thread and loop."""
+
+    def __init__(self) -> None:
+        self.script = Script()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._thread.start()
+        self._runner: web.AppRunner | None = None
+        self.port = asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(10)
+        self.url = f"http://127.0.0.1:{self.port}/v1/metaserver"
+
+    async def _handle(self, request: web.Request) -> web.Response:
+        script = self.script
+        script.bodies.append(await request.read())
+        script.times.append(time.monotonic())
+        index = min(len(script.bodies), len(script.replies)) - 1
+        reply = script.replies[index]
+        if reply == "hang":
+            await asyncio.sleep(30)
+            return web.Response(status=200)
+        assert isinstance(reply, int)
+        return web.json_response({"status": "recorded" if reply < 400 else "error"}, status=reply)
+
+    async def _start(self) -> int:
+        app = web.Application()
+        app.router.add_post("/v1/metaserver", self._handle)
+        self._runner = web.AppRunner(app, shutdown_timeout=0.1)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        sockets = site._server.sockets  # type: ignore[union-attr]
+        return int(sockets[0].getsockname()[1])
+
+    async def _stop(self) -> None:
+        assert self._runner is not None
+        await self._runner.cleanup()
+        # Handlers still "hanging" would be destroyed pending: cancel them properly.
+        current = asyncio.current_task()
+        pending = [task for task in asyncio.all_tasks() if task is not current]
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+
+    def close(self) -> None:
+        asyncio.run_coroutine_threadsafe(self._stop(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+
+@pytest.fixture
+def server() -> Iterator[MetaServer]:
+    srv = MetaServer()
+    yield srv
+    srv.close()
+
+
+def closed_port() -> int:
+    """A loopback port nothing listens on (bound, then released)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+async def post_once(options: MetaserverOptions, url: str, rv: Rendezvous) -> object:
+    client = MetaserverClient(options)
+    try:
+        return await client.post(url, rv)
+    finally:
+        await client.aclose()
+
+
+def test_delivered_first_try_and_body_is_the_rendezvous(server: MetaServer) -> None:
+    rv = rendezvous()
+    result = asyncio.run(post_once(FAST, server.url, rv))
+    assert result.status == 200 and result.attempts == 1  # type: ignore[attr-defined]
+    assert result.legacy_error is False  # type: ignore[attr-defined]
+    assert len(server.script.bodies) == 1
+    assert decode_rendezvous(server.script.bodies[0]) == rv
+
+
+def test_5xx_is_retried_with_backoff_until_delivered(server: MetaServer) -> None:
+    server.script.replies = [503, 502, 500, 200]
+    result = asyncio.run(post_once(FAST, server.url, rendezvous()))
+    assert result.status == 200 and result.attempts == 4  # type: ignore[attr-defined]
+    gaps = [b - a for a, b in zip(server.script.times, server.script.times[1:], strict=False)]
+    # Waits of 0.02, 0.04, then capped at 0.05 s between attempts (small slack for timers).
+    for gap, retry in zip(gaps, (1, 2, 3), strict=True):
+        assert gap >= backoff_delay(FAST, retry) * 0.9
+
+
+def test_4xx_fails_at_once_without_retry(server: MetaServer) -> None:
+    server.script.replies = [404]
+    with pytest.raises(MetaserverRejected) as exc:
+        asyncio.run(post_once(FAST, server.url, rendezvous("cmpl-x-1")))
+    assert exc.value.status == 404
+    assert exc.value.attempts == 1
+    assert exc.value.request_id == "cmpl-x-1"
+    assert exc.value.code == ErrorCode.UNKNOWN_REQUEST
+    assert "HTTP 404" in str(exc.value)
+    assert len(server.script.bodies) == 1
+
+
+def test_persistent_5xx_gives_up_after_max_attempts(server: MetaServer) -> None:
+    server.script.replies = [500]
+    options = MetaserverOptions(
+        timeout_s=2.0, max_attempts=3, backoff_s=0.01, backoff_max_s=0.01, deadline_s=10.0
+    )
+    with pytest.raises(MetaserverUnavailable) as exc:
+        asyncio.run(post_once(options, server.url, rendezvous()))
+    assert exc.value.attempts == 3 and exc.value.deadline is False
+    assert "HTTP 500" in str(exc.value)
+    assert len(server.script.bodies) == 3
+
+
+@pytest.mark.parametrize("status", [500, 404])
+def test_legacy_switch_counts_http_errors_as_delivered(server: MetaServer, status: int) -> None:
+    server.script.replies = [status]
+    legacy = MetaserverOptions(
+        timeout_s=2.0,
+        max_attempts=4,
+        backoff_s=0.01,
+        backoff_max_s=0.01,
+        deadline_s=10.0,
+        legacy_errors_delivered=True,
+    )
+    result = asyncio.run(post_once(legacy, server.url, rendezvous()))
+    assert result.status == status and result.legacy_error is True  # type: ignore[attr-defined]
+    assert result.attempts == 1  # type: ignore[attr-defined]
+
+
+def test_transport_errors_are_retried_then_reported() -> None:
+    url = f"http://127.0.0.1:{closed_port()}/v1/metaserver"
+    options = MetaserverOptions(
+        timeout_s=1.0, max_attempts=3, backoff_s=0.01, backoff_max_s=0.01, deadline_s=10.0
+    )
+    with pytest.raises(MetaserverUnavailable) as exc:
+        asyncio.run(post_once(options, url, rendezvous()))
+    assert exc.value.attempts == 3
+    assert "ConnectError" in str(exc.value)
+
+
+def test_stalled_server_is_bounded_by_the_overall_deadline(server: MetaServer) -> None:
+    server.script.replies = ["hang"]
+    options = MetaserverOptions(
+        timeout_s=0.3, max_attempts=100, backoff_s=0.05, backoff_max_s=0.1, deadline_s=0.8
+    )
+    start = time.monotonic()
+    with pytest.raises(MetaserverUnavailable) as exc:
+        asyncio.run(post_once(options, server.url, rendezvous()))
+    elapsed = time.monotonic() - start
+    assert exc.value.deadline is True
+    assert exc.value.code == ErrorCode.TIMEOUT
+    assert "Timeout" in str(exc.value)
+    assert 0.5 <= elapsed < 3.0
+    assert 2 <= len(server.script.bodies) < 100
+
+
+def test_poster_runs_many_posts_on_one_thread(server: MetaServer) -> None:
+    server.script.replies = [503, 200]  # the first post ever sees one 503, then all succeed
+    threads_before = threading.active_count()
+    with RendezvousPoster(FAST) as poster:
+        assert threading.active_count() == threads_before + 1
+        futures = [poster.post(server.url, rendezvous(f"cmpl-p-{i}")) for i in range(200)]
+        assert threading.active_count() == threads_before + 1  # no thread per request
+        results = [f.result(timeout=30) for f in futures]
+    assert threading.active_count() == threads_before
+    assert {r.request_id for r in results} == {f"cmpl-p-{i}" for i in range(200)}
+    assert all(r.status == 200 for r in results)
+    assert sorted(r.attempts for r in results) == [1] * 199 + [2]
+    assert len(server.script.bodies) == 201
+
+
+def test_poster_reports_failures_through_the_future(server: MetaServer) -> None:
+    server.script.replies = [409]
+    with RendezvousPoster(FAST) as poster:
+        future = poster.post(server.url, rendezvous())
+        with pytest.raises(MetaserverRejected):
+            future.result(timeout=10)
+
+
+def test_poster_close_cancels_posts_in_flight(server: MetaServer) -> None:
+    server.script.replies = ["hang"]
+    poster = RendezvousPoster(
+        MetaserverOptions(
+            timeout_s=30.0, max_attempts=1, backoff_s=0.1, backoff_max_s=0.1, deadline_s=30.0
+        )
+    )
+    future = poster.post(server.url, rendezvous())
+    deadline = time.monotonic() + 10
+    while not server.script.bodies and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert server.script.bodies, "the post never reached the server"
+    start = time.monotonic()
+    poster.close()
+    assert time.monotonic() - start < 5
+    with pytest.raises(concurrent.futures.CancelledError):
+        future.result(timeout=1)
+    with pytest.raises(RuntimeError, match="closed"):
+        poster.post(server.url, rendezvous())
