@@ -10,17 +10,21 @@ goes into the same descriptor arrays, so the backend issues ONE batched read.
 
 Order of the output (component-major): all K descriptors, then all V, then the indexer,
 then the scale -- i.e. ``plan.main`` then ``plan.indexer`` in their tuple order. Inside a
-component: requests in plan order, blocks in request order. Component-major keeps
-descriptors of one length and one memory region together, which is what batched engines
-handle best (and it makes the per-component counts plain slices for metrics). Backends
-must not depend on any other property of the order.
+component: requests in plan order, blocks in request order. Component-major keeps the
+descriptors of one length and one memory region together (easy for an engine that splits
+a batch by region or size) and makes the per-component counts plain slices for metrics.
+Backends must not depend on any other property of the order.
 
 How it stays fast (64 requests x 256 blocks is the design size): the ids of all requests
-are concatenated once per id group (main, indexer); run starts are found with one vector
-comparison (``src`` or ``dst`` not ``+1`` from the previous block, or a request starts);
-K and V share the main group's runs and the indexer and scale share the indexer group's
-runs, so each component costs only a gather, a multiply and an add over its runs. No
-Python work happens per block; per request only the id sequences are collected.
+and both id groups (main, indexer) are packed once into one int64 buffer (numpy arrays
+are concatenated, ranges become ``arange``, other sequences are packed by struct in C);
+run starts are found with one vector comparison over everything (``src`` or ``dst`` not
+``+1`` from the previous block, or a request starts); the run-start ids are gathered once,
+and each group's components (K and V; indexer and scale) get their addresses in one
+broadcast multiply-add. No Python work happens per block; per request only the id
+sequences are collected. Work buffers are per-thread and reused (see ``_Scratch``); the
+returned arrays are always fresh. A small message still pays a fixed cost of a few dozen
+numpy calls (tens of microseconds).
 
 Because every block of a component has the same length, "addresses contiguous" is exactly
 "ids step by +1" (for ``block_bytes > 0`` and no wrap-around, both of which are checked),
