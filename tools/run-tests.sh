@@ -20,6 +20,6 @@ export UCX_MODULES="${UCX_MODULES:-^ib}"
 
 python -m ruff check .
 python -m ruff format --check .
-python -m mypy rd2h_protocol
+python -m mypy rd2h_protocol rd2h_runtime
 python -m rd2h_protocol.spec --check
 exec python -m pytest "$@"
