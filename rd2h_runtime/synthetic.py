@@ -398,7 +398,8 @@ class DecodeDestinations:
                     for rank in range(d_tp):
                         self.local[(rank, layer, comp)] = np.full(shape, fill, dtype=np.uint8)
 
-    def _dest(self, rank: int, layer: int, comp: str) -> ComponentDest:
+    def component(self, rank: int, layer: int, comp: str) -> ComponentDest:
+        """Where ``comp`` of ``layer`` lands on rank ``rank``."""
         arr = self.main[(layer, comp)] if comp in _MAIN else self.local[(rank, layer, comp)]
         return ComponentDest(arr.ctypes.data, self.model.block_bytes(comp), self.num_blocks)
 
@@ -411,10 +412,12 @@ class DecodeDestinations:
                 (
                     self.model.layer_name(layer),
                     DestinationLayout(
-                        k=self._dest(rank, layer, "k"),
-                        v=self._dest(rank, layer, "v"),
-                        indexer=self._dest(rank, layer, "indexer") if "indexer" in comps else None,
-                        scale=self._dest(rank, layer, "scale") if "scale" in comps else None,
+                        k=self.component(rank, layer, "k"),
+                        v=self.component(rank, layer, "v"),
+                        indexer=self.component(rank, layer, "indexer")
+                        if "indexer" in comps
+                        else None,
+                        scale=self.component(rank, layer, "scale") if "scale" in comps else None,
                     ),
                 )
             )
