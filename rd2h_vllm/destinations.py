@@ -1,0 +1,441 @@
+"""Where Decode puts the KV it pulls: the destination-provider interface and its bindings.
+
+Theory of operation
+-------------------
+Decode reads every layer of a request into destinations it owns. Per main layer (in
+model order: a position in :attr:`DestinationProvider.layer_names` is the ``layer_idx``
+of the wire) the connector needs the base address and bytes per vLLM block of K and of
+V, the optional sparse-attention indexer and LIC8 scale destinations, and how many
+blocks each holds. :meth:`DestinationProvider.layouts` turns that into the
+:class:`~rd2h_protocol.layout.DestinationLayout` list the Decode endpoint validates
+Prefill's MF_META against (``ConsumerConfig.layers``).
+
+Main K/V lives in a pool SHARED by the Decode TP ranks (each rank writes a disjoint share
+of the blocks, reference-behaviour.md §2), so its addresses must be valid on the rank
+that uses them; the indexer (and scale) is rank-local, a full copy on every rank.
+
+Bindings:
+
+* :class:`SparseOffloadDestinations`: vllm-ascend's ``SparseKVOffloadManager``, duck-typed
+  (no import of vllm-ascend): its ordered ``offload_layer_names``, the per-layer K and V
+  global addresses ``gvas_k_bases`` / ``gvas_v_bases`` of its TP-shared pinned host pool,
+  ``cpu_block_lens`` (K, V bytes per block) and ``kv_cache_config.num_blocks``. The
+  indexer and scale are vLLM's ``kv_caches`` entries whose name contains "indexer",
+  matched to a main layer by ``layers.N`` (:func:`match_indexer_caches`).
+* :class:`HostPoolDestinations`: a generic host pool for engines without vllm-ascend.
+  Main K/V is one memory-mapped file in ``/dev/shm`` (every TP rank maps the same file,
+  so the ranks' shares land in one pool), page-locked with ``cudaHostRegister`` when
+  CUDA is available (plain pageable memory on a CPU-only host); indexer and scale are
+  private per-rank tensors.
+
+:func:`device_events` gives the one abstraction for "this layer's scatter has finished"
+on NPU (torch_npu), CUDA, or none (CPU kernels are synchronous).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+import re
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Final, Protocol
+
+import torch
+
+from rd2h_protocol.errors import ConfigError
+from rd2h_protocol.layout import ComponentDest, DestinationLayout
+
+_LAYER_RE: Final = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
+
+
+def layer_number(name: str) -> int | None:
+    """The ``N`` of ``...layers.N...`` in a vLLM layer name, or None."""
+    match = _LAYER_RE.search(name)
+    return int(match.group(1)) if match else None
+
+
+def tensor_destination(tensor: torch.Tensor, num_blocks: int, what: str) -> ComponentDest:
+    """A whole tensor whose leading dimension is blocks, as a destination component.
+
+    The tensor must be contiguous (a block is one contiguous stripe) and its size a
+    multiple of ``num_blocks``.
+    """
+    if not tensor.is_contiguous():
+        raise ConfigError(f"{what}: the destination tensor must be contiguous")
+    nbytes = tensor.numel() * tensor.element_size()
+    if num_blocks < 1 or nbytes % num_blocks:
+        raise ConfigError(
+            f"{what}: {nbytes} bytes do not divide into {num_blocks} blocks "
+            f"(shape {tuple(tensor.shape)}, dtype {tensor.dtype})"
+        )
+    return ComponentDest(
+        base=int(tensor.data_ptr()), block_bytes=nbytes // num_blocks, num_blocks=num_blocks
+    )
+
+
+def _as_tensors(value: Any) -> tuple[torch.Tensor, ...]:
+    if isinstance(value, torch.Tensor):
+        return (value,)
+    return tuple(value)
+
+
+def match_indexer_caches(
+    kv_caches: Mapping[str, Any], main_layers: Sequence[str]
+) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
+    """Pair vLLM's indexer cache entries with the main layers they belong to.
+
+    An entry whose name contains "indexer" belongs to the main layer with the same
+    ``layers.N``; its value is the indexer tensor, or a tuple ``(indexer, scale)`` when a
+    LIC8 scale follows the indexer. Main layers without an indexer are absent from the
+    result. Raises :class:`ConfigError` for an indexer without ``layers.N``, with no main
+    layer of that number, or two indexers for one layer.
+    """
+    by_number: dict[int, str] = {}
+    for name in main_layers:
+        number = layer_number(name)
+        if number is not None:
+            by_number[number] = name
+    found: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
+    for name, value in kv_caches.items():
+        if "indexer" not in name:
+            continue
+        number = layer_number(name)
+        if number is None or number not in by_number:
+            raise ConfigError(
+                f"indexer cache {name!r} matches no main layer by 'layers.N' "
+                f"(main layers: {list(main_layers)[:4]}...)"
+            )
+        main = by_number[number]
+        if main in found:
+            raise ConfigError(f"two indexer caches belong to main layer {main!r}: one is {name!r}")
+        tensors = _as_tensors(value)
+        if not 1 <= len(tensors) <= 2:
+            raise ConfigError(
+                f"indexer cache {name!r}: expected an indexer tensor or (indexer, scale), "
+                f"got {len(tensors)} tensors"
+            )
+        found[main] = (tensors[0], tensors[1] if len(tensors) == 2 else None)
+    return found
+
+
+class DestinationProvider(ABC):
+    """Decode's destinations for the KV of every main layer (see the module docstring)."""
+
+    @property
+    @abstractmethod
+    def layer_names(self) -> Sequence[str]:
+        """Main layer names in model order; a name's position is its wire ``layer_idx``."""
+
+    @property
+    @abstractmethod
+    def num_blocks(self) -> int:
+        """Blocks each destination component holds (destination ids lie below it)."""
+
+    @abstractmethod
+    def main(self, layer: str) -> tuple[ComponentDest, ComponentDest]:
+        """K and V of ``layer`` in the TP-shared pool, addresses valid on this rank."""
+
+    def indexer(self, layer: str) -> tuple[ComponentDest, ComponentDest | None] | None:
+        """Rank-local indexer of ``layer`` and its optional LIC8 scale; None without one."""
+        return None
+
+    def layout(self, layer: str) -> DestinationLayout:
+        """The :class:`DestinationLayout` of ``layer``."""
+        k, v = self.main(layer)
+        indexer = self.indexer(layer)
+        if indexer is None:
+            return DestinationLayout(k=k, v=v)
+        return DestinationLayout(k=k, v=v, indexer=indexer[0], scale=indexer[1])
+
+    def layouts(self) -> list[tuple[str, DestinationLayout]]:
+        """Every main layer with its layout, in order (``ConsumerConfig.layers``)."""
+        return [(name, self.layout(name)) for name in self.layer_names]
+
+
+# -- vllm-ascend's SparseKVOffloadManager ----------------------------------------------------
+
+_MANAGER_ATTRS: Final = (
+    "offload_layer_names",
+    "gvas_k_bases",
+    "gvas_v_bases",
+    "cpu_block_lens",
+    "kv_cache_config",
+)
+
+
+class SparseOffloadDestinations(DestinationProvider):
+    """Destinations owned by vllm-ascend's ``SparseKVOffloadManager`` (duck-typed).
+
+    ``manager`` must have run ``register_kv_caches`` (that is when it fills the
+    attributes read here); ``kv_caches`` is the dict vLLM hands the connector's
+    ``register_kv_caches``, searched for the indexer (and scale) tensors.
+    """
+
+    def __init__(self, manager: Any, kv_caches: Mapping[str, Any]) -> None:
+        missing = [attr for attr in _MANAGER_ATTRS if not hasattr(manager, attr)]
+        if missing:
+            raise ConfigError(
+                f"the sparse KV offload manager {type(manager).__name__} lacks {missing}: "
+                "it must be vllm-ascend's SparseKVOffloadManager after register_kv_caches "
+                "(sparse_kv_offload_config.enabled on Decode)"
+            )
+        names = list(manager.offload_layer_names)
+        counts = {
+            "gvas_k_bases": len(manager.gvas_k_bases),
+            "gvas_v_bases": len(manager.gvas_v_bases),
+            "cpu_block_lens": len(manager.cpu_block_lens),
+        }
+        wrong = {key: n for key, n in counts.items() if n != len(names)}
+        if wrong:
+            raise ConfigError(
+                f"the sparse KV offload manager describes {len(names)} layers but has {wrong}"
+            )
+        self._names = names
+        self._num_blocks = int(manager.kv_cache_config.num_blocks)
+        self._main = {
+            name: (
+                ComponentDest(int(k_base), int(k_len), self._num_blocks),
+                ComponentDest(int(v_base), int(v_len), self._num_blocks),
+            )
+            for name, k_base, v_base, (k_len, v_len) in zip(
+                names,
+                manager.gvas_k_bases,
+                manager.gvas_v_bases,
+                manager.cpu_block_lens,
+                strict=True,
+            )
+        }
+        self._indexer = {
+            name: (
+                tensor_destination(idx, self._num_blocks, f"indexer of {name}"),
+                None
+                if scale is None
+                else tensor_destination(scale, self._num_blocks, f"indexer scale of {name}"),
+            )
+            for name, (idx, scale) in match_indexer_caches(kv_caches, names).items()
+        }
+
+    @property
+    def layer_names(self) -> Sequence[str]:
+        return self._names
+
+    @property
+    def num_blocks(self) -> int:
+        return self._num_blocks
+
+    def main(self, layer: str) -> tuple[ComponentDest, ComponentDest]:
+        return self._main[layer]
+
+    def indexer(self, layer: str) -> tuple[ComponentDest, ComponentDest | None] | None:
+        return self._indexer.get(layer)
+
+
+# -- the generic host pool ------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class LayerSpec:
+    """Bytes per vLLM block of one layer's components (None: the component is absent)."""
+
+    name: str
+    k_block_bytes: int
+    v_block_bytes: int
+    indexer_block_bytes: int | None = None
+    scale_block_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        sizes = [self.k_block_bytes, self.v_block_bytes]
+        sizes += [s for s in (self.indexer_block_bytes, self.scale_block_bytes) if s is not None]
+        if any(s < 1 for s in sizes):
+            raise ConfigError(f"layer {self.name!r}: every block size must be >= 1, got {sizes}")
+        if self.scale_block_bytes is not None and self.indexer_block_bytes is None:
+            raise ConfigError(f"layer {self.name!r}: a LIC8 scale needs an indexer")
+
+
+def _pin(tensor: torch.Tensor) -> bool:
+    """Page-lock ``tensor``'s memory for device DMA when CUDA is present."""
+    if not torch.cuda.is_available():
+        return False
+    nbytes = tensor.numel() * tensor.element_size()
+    result = _cudart().cudaHostRegister(tensor.data_ptr(), nbytes, 0)
+    if int(result) != 0:
+        raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed with {result}")
+    return True
+
+
+def _unpin(tensor: torch.Tensor) -> None:
+    _cudart().cudaHostUnregister(tensor.data_ptr())
+
+
+def _cudart() -> Any:
+    cudart: Any = torch.cuda.cudart()  # type: ignore[no-untyped-call]
+    return cudart
+
+
+class HostPoolDestinations(DestinationProvider):
+    """A generic host pool: main K/V shared by the TP ranks, indexer/scale per rank.
+
+    ``shared_path`` names a file (normally under ``/dev/shm``) that EVERY TP rank of the
+    Decode engine opens with the same name and the same ``layers``: its mapping is the
+    shared main pool. Without it the pool is private to this process (one TP rank, or
+    tests). Page-locked when CUDA is available. Call :meth:`close` to unpin and, with
+    ``unlink=True`` (do that on one rank), remove the file.
+    """
+
+    def __init__(
+        self,
+        layers: Sequence[LayerSpec],
+        num_blocks: int,
+        *,
+        shared_path: str | os.PathLike[str] | None = None,
+    ) -> None:
+        if num_blocks < 1:
+            raise ConfigError(f"the host pool needs at least one block, got {num_blocks}")
+        if not layers:
+            raise ConfigError("the host pool needs at least one layer")
+        names = [spec.name for spec in layers]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"layer names must be unique, got {names}")
+        self._names = names
+        self._num_blocks = num_blocks
+        self._specs = {spec.name: spec for spec in layers}
+        main_bytes = sum((s.k_block_bytes + s.v_block_bytes) * num_blocks for s in layers)
+        self.shared_path = None if shared_path is None else os.fspath(shared_path)
+        if self.shared_path is None:
+            self._pool = torch.zeros(main_bytes, dtype=torch.uint8)
+        else:
+            # Every rank maps the same bytes; the file is created (zero-filled) on first use.
+            self._pool = torch.from_file(
+                self.shared_path, shared=True, size=main_bytes, dtype=torch.uint8
+            )
+        self._pinned = _pin(self._pool)
+        self._tensors: dict[str, dict[str, torch.Tensor]] = {}
+        offset = 0
+        for spec in layers:
+            parts: dict[str, torch.Tensor] = {}
+            for component, block_bytes in (("k", spec.k_block_bytes), ("v", spec.v_block_bytes)):
+                size = block_bytes * num_blocks
+                parts[component] = self._pool[offset : offset + size].view(num_blocks, block_bytes)
+                offset += size
+            for component, maybe in (
+                ("indexer", spec.indexer_block_bytes),
+                ("scale", spec.scale_block_bytes),
+            ):
+                if maybe is not None:
+                    parts[component] = torch.zeros(
+                        (num_blocks, maybe), dtype=torch.uint8, pin_memory=self._pinned
+                    )
+            self._tensors[spec.name] = parts
+
+    @property
+    def layer_names(self) -> Sequence[str]:
+        return self._names
+
+    @property
+    def num_blocks(self) -> int:
+        return self._num_blocks
+
+    @property
+    def pinned(self) -> bool:
+        """Whether the main pool is page-locked (CUDA present)."""
+        return self._pinned
+
+    def tensor(self, layer: str, component: str) -> torch.Tensor:
+        """The ``[num_blocks, block_bytes]`` uint8 view of one component ("k", "v",
+        "indexer", "scale") of ``layer``: what the attention side reads."""
+        return self._tensors[layer][component]
+
+    def _dest(self, layer: str, component: str) -> ComponentDest:
+        return tensor_destination(
+            self._tensors[layer][component], self._num_blocks, f"{component} of {layer}"
+        )
+
+    def main(self, layer: str) -> tuple[ComponentDest, ComponentDest]:
+        return self._dest(layer, "k"), self._dest(layer, "v")
+
+    def indexer(self, layer: str) -> tuple[ComponentDest, ComponentDest | None] | None:
+        parts = self._tensors[layer]
+        if "indexer" not in parts:
+            return None
+        return self._dest(layer, "indexer"), (
+            self._dest(layer, "scale") if "scale" in parts else None
+        )
+
+    def close(self, *, unlink: bool = False) -> None:
+        """Unpin the pool; with ``unlink`` also remove the shared file (one rank does it)."""
+        if self._pinned:
+            _unpin(self._pool)
+            self._pinned = False
+        if unlink and self.shared_path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.shared_path)
+
+
+# -- "scatter finished" device events -------------------------------------------------------
+
+
+class ScatterEvent(Protocol):
+    """A point in the device stream: the KV written before it is visible once it is done."""
+
+    def query(self) -> bool:
+        """True once the device passed the event (never blocks)."""
+
+    def synchronize(self) -> None:
+        """Block the calling thread until the device passed the event."""
+
+
+class _DoneEvent:
+    """CPU: kernels run synchronously, so the scatter is finished when recorded."""
+
+    __slots__ = ()
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        return None
+
+
+_DONE: Final = _DoneEvent()
+
+
+class DeviceEvents:
+    """Records "scatter finished" events on the current stream of one device type."""
+
+    def __init__(self, device_type: str, event_cls: Any | None) -> None:
+        self.device_type = device_type
+        self._event_cls = event_cls
+
+    def record(self) -> ScatterEvent:
+        """An event recorded now on the current stream (already done on CPU)."""
+        if self._event_cls is None:
+            return _DONE
+        event = self._event_cls()
+        event.record()
+        event_typed: ScatterEvent = event
+        return event_typed
+
+
+def device_events(device_type: str) -> DeviceEvents:
+    """The event source for ``device_type``: "npu" (torch_npu), "cuda", or "cpu".
+
+    torch_npu is imported only here and only for "npu"; a missing torch_npu is a
+    :class:`ConfigError` saying so.
+    """
+    if device_type == "cpu":
+        return DeviceEvents("cpu", None)
+    if device_type == "cuda":
+        return DeviceEvents("cuda", torch.cuda.Event)
+    if device_type == "npu":
+        try:
+            importlib.import_module("torch_npu")  # registers torch.npu
+        except ImportError as exc:
+            raise ConfigError(
+                "device type 'npu' needs torch_npu, which is not importable: install "
+                "vllm-ascend's torch_npu or run on a CUDA/CPU platform"
+            ) from exc
+        return DeviceEvents("npu", getattr(torch, "npu").Event)  # noqa: B009 (added by torch_npu)
+    raise ConfigError(f"no scatter events for device type {device_type!r}: use npu, cuda or cpu")
