@@ -35,7 +35,7 @@ import msgpack
 import zmq
 
 from rd2h_protocol.consumer import ConsumerConfig
-from rd2h_protocol.layout import ComponentDest, DestinationLayout
+from rd2h_protocol.layout import DestinationLayout
 from rd2h_protocol.messages import ALL_CAPABILITIES
 from rd2h_protocol.producer import DecodeTarget, ProducerConfig, RequestFinished
 from rd2h_runtime.control import BindError, ControlOptions
@@ -125,7 +125,7 @@ class DecodeSpec:
     die_at_read: int | None = None  # SIGKILL the process when this read (1-based) starts
     compat: str | None = None
     capabilities: tuple[str, ...] = ALL_CAPABILITIES
-    mismatch_layer: int | None = None  # this layer's K destination has the wrong block size
+    mismatch_layer: int | None = None  # this layer's destination lacks the LIC8 scale
     control: ControlOptions = FAST_CONTROL
 
 
@@ -162,9 +162,9 @@ class DecodeEngine:
         layers = self.dest.layers(rank)
         bad = self.spec.mismatch_layer
         if bad is not None:
+            # Decode expects no LIC8 scale on this layer while Prefill sends one.
             name, d = layers[bad]
-            k = ComponentDest(d.k.base, d.k.block_bytes * 2, d.k.num_blocks // 2)
-            layers[bad] = (name, dataclasses.replace(d, k=k))
+            layers[bad] = (name, dataclasses.replace(d, scale=None))
         return layers
 
     def _before_read(self, _: int) -> None:
@@ -304,6 +304,7 @@ class PrefillSpec:
     protocol: str = "v2"
     compat: str = ""
     read_failure_policy: str = "isolate"
+    handshake_timeout_s: float = 5.0
     seed: int = 3
     gate_timeout_s: float = 30.0
     die_after_layer: tuple[int, int] | None = None  # (step, layer): SIGKILL after publishing
@@ -360,6 +361,7 @@ class PrefillEngine:
             protocol=spec.protocol,  # type: ignore[arg-type]
             compat=spec.compat,
             read_failure_policy=spec.read_failure_policy,  # type: ignore[arg-type]
+            handshake_timeout_s=spec.handshake_timeout_s,
         )
         worker = PrefillWorker(
             config,
