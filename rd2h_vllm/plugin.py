@@ -1,0 +1,62 @@
+"""vLLM plugin hook: makes ``"kv_connector": "SfaRemoteD2HConnector"`` resolve to rd2h.
+
+vLLM runs every ``vllm.general_plugins`` entry point in each of its processes (API
+server, engine core, workers) before it builds connectors, so ``pip install rd2h`` is
+all a deployment needs; the guide's JSON stays unchanged. The package declares::
+
+    [project.entry-points."vllm.general_plugins"]
+    rd2h = "rd2h_vllm.plugin:register"
+
+Registering the NAME (not only ``kv_connector_module_path``) matters beyond lookup:
+inside a MultiConnector, vLLM rebuilds each child's stats by class name through the
+same registry (``MultiConnector.build_kv_connector_stats``).
+
+vllm-ascend ships a connector with the same name. When the name is already taken by
+another package, :func:`register` leaves it alone and logs how to pick rd2h explicitly
+(``"kv_connector_module_path": "rd2h_vllm.connector"``, which vLLM prefers over its
+registry) unless ``RD2H_REPLACE_CONNECTOR=1`` asks to take the name over.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Final
+
+from rd2h_vllm.config import CONNECTOR_MODULE, CONNECTOR_NAME
+
+logger = logging.getLogger(__name__)
+
+#: Environment switch: take the connector name over from another package.
+REPLACE_ENV: Final = "RD2H_REPLACE_CONNECTOR"
+
+_registered_by_us = False
+
+
+def register() -> None:
+    """Register ``SfaRemoteD2HConnector`` -> ``rd2h_vllm.connector`` with vLLM.
+
+    Safe to call any number of times, in any process (vLLM may call it repeatedly).
+    The connector module is imported only when vLLM first asks for the class.
+    """
+    global _registered_by_us
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    if CONNECTOR_NAME in KVConnectorFactory._registry:
+        if _registered_by_us:
+            return
+        if os.environ.get(REPLACE_ENV) != "1":
+            logger.warning(
+                "%s is already registered by another package (vllm-ascend?); rd2h leaves it "
+                'in place. To use rd2h, add "kv_connector_module_path": "%s" to '
+                "--kv-transfer-config, or set %s=1 to make rd2h take the name over.",
+                CONNECTOR_NAME,
+                CONNECTOR_MODULE,
+                REPLACE_ENV,
+            )
+            return
+        # register_connector refuses a taken name; replacing is a deliberate opt-in.
+        del KVConnectorFactory._registry[CONNECTOR_NAME]
+        logger.info("%s: replacing the registered connector with rd2h's", CONNECTOR_NAME)
+    KVConnectorFactory.register_connector(CONNECTOR_NAME, CONNECTOR_MODULE, CONNECTOR_NAME)
+    _registered_by_us = True
