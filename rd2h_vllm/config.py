@@ -74,6 +74,9 @@ EXTRA_DEFAULTS: Final[Mapping[str, object]] = {
     "legacy_metaserver_errors_delivered": False,
     # Optional start-up check of the peer's TP size (else checked per rendezvous).
     "peer_tp_size": None,
+    # Decode: the host Prefill connects to, as posted in the rendezvous (default: vLLM's
+    # get_ip(), which honours VLLM_HOST_IP).
+    "advertise_host": None,
 }
 
 _MAX_LEASE_MS: Final = (1 << 32) - 1  # lease_ms is a uint32 on the wire
@@ -123,6 +126,7 @@ class Rd2hConfig:
     sparse_offload: bool
     device_type: str
     peer_tp_size: int | None
+    advertise_host: str | None = None
 
     @property
     def is_producer(self) -> bool:
@@ -406,6 +410,14 @@ def parse_config(
             if problem:
                 problems.add(problem)
 
+    advertise_host = values["advertise_host"]
+    if advertise_host is not None and (not isinstance(advertise_host, str) or not advertise_host):
+        problems.add(
+            f"kv_connector_extra_config.advertise_host={advertise_host!r}: set it to the host "
+            "name or IP address Prefill can reach this Decode on"
+        )
+        advertise_host = None
+
     sparse = additional_config.get("sparse_kv_offload_config") or {}
     sparse_enabled = bool(sparse.get("enabled", False)) if isinstance(sparse, Mapping) else False
     if role == "kv_producer" and sparse_enabled:
@@ -443,6 +455,7 @@ def parse_config(
         sparse_offload=sparse_enabled,
         device_type=device_type,
         peer_tp_size=peer_tp,
+        advertise_host=advertise_host,
     )
 
 

@@ -110,8 +110,10 @@ def test_v2_options_and_other_backends() -> None:
             metaserver_max_attempts=3,
             metaserver_deadline_s=4.0,
             legacy_metaserver_errors_delivered=True,
+            advertise_host="10.0.0.7",
         )
     )
+    assert cfg.advertise_host == "10.0.0.7"
     assert cfg.transfer_backend == "nixl"
     assert (cfg.lease_ms, cfg.kv_load_timeout_s, cfg.read_failure_policy) == (5000, 7.5, "raise")
     assert cfg.protocol == "v1"
@@ -191,6 +193,7 @@ def test_vllm_config_without_kv_transfer_config(make_vllm_config: VllmConfigFact
             "metaserver_backoff_max_s=0.5 is below",
         ),
         (decode_with(metaserver_max_attempts=0), {}, "metaserver_max_attempts=0"),
+        (decode_with(advertise_host=""), {}, "advertise_host='': set it to the host"),
         ({**GUIDE_DECODE, "kv_port": "20050"}, {}, "kv_port='20050'"),
         (
             {**GUIDE_DECODE, "kv_port": 65535},
