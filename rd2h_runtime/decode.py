@@ -57,6 +57,7 @@ from rd2h_protocol.consumer import (
 )
 from rd2h_protocol.errors import ErrorCode, LocalProtocolError, ProtocolError, TransferError
 from rd2h_protocol.layout import DestinationLayout
+from rd2h_protocol.plan import ReadPlan
 from rd2h_runtime.control import (
     ConnectionEvent,
     ControlClosed,
@@ -69,7 +70,7 @@ from rd2h_runtime.control import (
     ServerEvent,
     TimerDue,
 )
-from rd2h_runtime.planning import build_descriptors
+from rd2h_runtime.planning import Descriptors, build_descriptors
 from rd2h_runtime.transfer import TransferBackend
 
 __all__ = ["DecodeMetrics", "DecodeWorker", "Outcome", "destination_regions"]
@@ -109,6 +110,7 @@ class DecodeMetrics:
     reads_not_started: int = 0  # start_by passed while queued
     read_bytes: int = 0
     descriptors: int = 0
+    plan_s: float = 0.0  # total time turning plans into descriptors
     read_s: float = 0.0  # total time inside backend.read
     frames_sent: int = 0
     send_failures: int = 0  # replies the server refused or could not deliver
@@ -122,7 +124,8 @@ class DecodeWorker:
     :attr:`port`). ``regions`` default to :func:`destination_regions` of ``config.layers``.
     The backend is closed with the worker when ``own_backend`` is True. ``on_outcome`` is
     called (outside the lock) with every :class:`Outcome`; outcomes are also kept until
-    :meth:`release`, for :meth:`wait_finished`.
+    :meth:`release`, for :meth:`wait_finished`. ``planner`` turns a read plan into the
+    descriptors of one batched read (benchmarks swap in a baseline to compare).
     """
 
     def __init__(
@@ -137,8 +140,10 @@ class DecodeWorker:
         read_timeout_s: float = 10.0,
         on_outcome: Callable[[Outcome], None] | None = None,
         own_backend: bool = True,
+        planner: Callable[[ReadPlan], Descriptors] = build_descriptors,
     ) -> None:
         self.config = config
+        self._planner = planner
         self._backend = backend
         self._own_backend = own_backend
         self._read_timeout_s = read_timeout_s
@@ -237,6 +242,11 @@ class DecodeWorker:
             return dict(self._outcomes)
 
     # -- views -----------------------------------------------------------------------------
+
+    @property
+    def backend(self) -> TransferBackend:
+        """The transfer backend this rank registered its memory with."""
+        return self._backend
 
     @property
     def stats(self) -> ConsumerStats:
@@ -426,7 +436,11 @@ class DecodeWorker:
             late.code = ErrorCode.LEASE_EXPIRED
             return late
         try:
-            desc = build_descriptors(plan)
+            start = time.monotonic()
+            try:
+                desc = self._planner(plan)
+            finally:
+                self.metrics.plan_s += time.monotonic() - start
             start = time.monotonic()
             try:
                 self._backend.read(

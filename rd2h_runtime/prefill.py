@@ -253,6 +253,11 @@ class PrefillWorker:
     # -- views -----------------------------------------------------------------------------
 
     @property
+    def backend(self) -> TransferBackend:
+        """The transfer backend this rank registered its memory with."""
+        return self._backend
+
+    @property
     def session(self) -> str:
         """The transfer session Decode reads this rank's memory through."""
         return self.config.session

@@ -1,0 +1,281 @@
+"""Benchmark: layer throughput through the runtime vs the backend's raw batched read vs memcpy.
+
+Run from the repository root::
+
+    python -m benchmarks.bench_runtime_datapath                    # nixl, 20 and 256 MiB
+    python -m benchmarks.bench_runtime_datapath --backend mooncake --layer-mib 20
+
+One KV layer shaped like a sparse-attention model (K 73728 B, V 8192 B, indexer 16384 B,
+LIC8 scale 512 B per block: 98816 B a block) of about ``--layer-mib`` MiB, spread over
+``--requests`` requests with shuffled block ids on both sides (as a paged allocator leaves
+them), is moved from a Prefill rank in THIS process to a Decode rank in a CHILD process
+(``loopback`` cannot cross processes: its Decode runs on a thread here). Three candidates,
+each the median of ``--repeats`` samples after one warm-up:
+
+* ``runtime``: the whole layer round trip on real sockets, timed on Prefill:
+  ``layer_written`` -> readiness -> Decode endpoint -> planning -> ONE batched read ->
+  reply -> the gate reopens (``wait_writable`` returns);
+* ``raw``: the same backend's batched read of exactly the descriptors the runtime built
+  for that message, called directly in the Decode process;
+* ``memcpy``: ``numpy.copyto`` of the layer's bytes within one process.
+
+GB/s = 1e9 bytes/s over the layer's bytes. Every byte of the destination is checked
+against the pattern Prefill wrote. Goal: runtime >= 70 % of raw.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import multiprocessing
+import multiprocessing.connection
+import os
+import random
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from rd2h_protocol.consumer import ConsumerConfig
+from rd2h_protocol.plan import ReadPlan
+from rd2h_protocol.producer import DecodeTarget, ProducerConfig
+from rd2h_runtime.decode import DecodeWorker
+from rd2h_runtime.planning import Descriptors, build_descriptors
+from rd2h_runtime.prefill import PrefillWorker
+from rd2h_runtime.synthetic import DecodeDestinations, PrefillCache, SyntheticModel
+from rd2h_runtime.transfer import create_backend
+
+HOST = "127.0.0.1"
+MIB = 1 << 20
+TIMEOUT_S = 60.0
+
+
+def layer_model(layer_bytes: int) -> SyntheticModel:
+    """A one-layer model whose blocks add up to at least ``layer_bytes``."""
+    probe = SyntheticModel(
+        num_layers=1,
+        main_block_tokens=128,
+        indexer_block_tokens=128,
+        k_block_len=73728,
+        k_scale=1,
+        v_block_len=8192,
+        v_scale=1,
+        indexer_block_len=16384,
+        indexer_scale=1,
+        scale_block_len=512,
+        num_blocks=1,
+    )
+    per_block = sum(probe.block_bytes(c) for c in probe.components)
+    blocks = -(-layer_bytes // per_block)
+    return dataclasses.replace(probe, num_blocks=blocks)
+
+
+def split_ids(ids: list[int], parts: int) -> list[list[int]]:
+    size = -(-len(ids) // parts)
+    return [ids[i : i + size] for i in range(0, len(ids), size)]
+
+
+# -- the Decode side (child process, or a thread for loopback) ---------------------------------
+
+
+def decode_side(
+    conn: multiprocessing.connection.Connection, backend: str, model: SyntheticModel
+) -> None:
+    """Serve one Decode rank: add requests, time raw reads, verify bytes, close."""
+    os.environ.setdefault("UCX_MODULES", "^ib")
+    dest = DecodeDestinations(model, 1, model.num_blocks)
+    plans: list[ReadPlan] = []
+
+    def planner(plan: ReadPlan) -> Descriptors:
+        plans.append(plan)
+        return build_descriptors(plan)
+
+    worker = DecodeWorker(
+        ConsumerConfig(d_rank=0, d_tp=1, layers=dest.layers(0)),
+        create_backend(backend, role="decode", host=HOST),
+        host=HOST,
+        regions=dest.regions(0),
+        read_timeout_s=TIMEOUT_S,
+        planner=planner,
+    )
+    ids: dict[str, tuple[list[int], list[int]]] = {}
+    conn.send(worker.port)
+    try:
+        while True:
+            cmd, arg = conn.recv()
+            if cmd == "add":
+                for ext, main, idx in arg:
+                    ids[ext] = (main, idx)
+                    worker.add_request(ext, main, idx)
+                conn.send(None)
+            elif cmd == "raw":
+                # The same backend's batched read of the descriptors of the last message.
+                desc = build_descriptors(plans[-1])
+                t0 = time.perf_counter()
+                worker.backend.read(
+                    plans[-1].session,
+                    desc.remote_addrs,
+                    desc.local_addrs,
+                    desc.lengths,
+                    timeout_s=TIMEOUT_S,
+                )
+                conn.send((time.perf_counter() - t0, len(desc), desc.total_bytes))
+            elif cmd == "verify":
+                bad = sum(len(dest.verify(ext, main, idx)) for ext, (main, idx) in ids.items())
+                conn.send(bad)
+            elif cmd == "close":
+                break
+    finally:
+        worker.close()
+    conn.send(None)
+
+
+class DecodeSide:
+    """The Decode rank in a child process (or on a thread for ``loopback``)."""
+
+    def __init__(self, backend: str, model: SyntheticModel) -> None:
+        self.proc: Any = None
+        if backend == "loopback":
+            self.conn, theirs = multiprocessing.Pipe()
+            self.proc = threading.Thread(
+                target=decode_side, args=(theirs, backend, model), daemon=True
+            )
+        else:
+            ctx = multiprocessing.get_context("spawn")
+            self.conn, theirs = ctx.Pipe()
+            self.proc = ctx.Process(target=decode_side, args=(theirs, backend, model))
+        self.proc.start()
+        self.port: int = self.call_reply()
+
+    def call_reply(self) -> Any:
+        if not self.conn.poll(TIMEOUT_S):
+            raise TimeoutError("the Decode side did not answer")
+        return self.conn.recv()
+
+    def call(self, cmd: str, arg: Any = None) -> Any:
+        self.conn.send((cmd, arg))
+        return self.call_reply()
+
+    def close(self) -> None:
+        try:
+            self.call("close")
+        finally:
+            self.proc.join(TIMEOUT_S)
+
+
+# -- one layer size ----------------------------------------------------------------------------
+
+
+def measure_memcpy(nbytes: int, repeats: int) -> list[float]:
+    src = np.ones(nbytes, dtype=np.uint8)
+    dst = np.zeros(nbytes, dtype=np.uint8)
+    np.copyto(dst, src)  # warm-up: page faults
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        samples.append(time.perf_counter() - t0)
+    return samples
+
+
+def run_size(
+    backend: str, layer_bytes: int, requests: int, repeats: int, seed: int
+) -> dict[str, Any]:
+    model = layer_model(layer_bytes)
+    blocks = model.num_blocks
+    rng = random.Random(seed)
+    src_ids, dst_ids = list(range(blocks)), list(range(blocks))
+    rng.shuffle(src_ids)
+    rng.shuffle(dst_ids)
+    src_parts, dst_parts = split_ids(src_ids, requests), split_ids(dst_ids, requests)
+    names = [f"layer-req-{i}" for i in range(len(src_parts))]
+    memcpy = measure_memcpy(blocks * sum(model.block_bytes(c) for c in model.components), repeats)
+    decode = DecodeSide(backend, model)
+    cache = PrefillCache(model)
+    prefill = PrefillWorker(
+        ProducerConfig(p_rank=0, p_tp=1, session="", layers=cache.layers(), lease_ms=120_000),
+        create_backend(backend, role="prefill", host=HOST),
+        regions=cache.regions(),
+    )
+    try:
+        decode.call("add", [(n, d, d) for n, d in zip(names, dst_parts, strict=True)])
+        target = DecodeTarget(HOST, decode.port, 1)
+        for name, src in zip(names, src_parts, strict=True):
+            prefill.add_request(name, target)
+            cache.write(0, name, src, 0, src, 0)
+        runtime: list[float] = []
+        raw: list[float] = []
+        # Runtime and raw samples alternate, so a noisy neighbour slows both alike; the
+        # first of each warms up (handshake, connections, page faults).
+        for i in range(repeats + 1):
+            for name, src in zip(names, src_parts, strict=True):
+                prefill.schedule_chunk(name, src, src, 0, 0, i == repeats)
+            t0 = time.perf_counter()
+            prefill.layer_written(0)
+            if not prefill.wait_writable(0, TIMEOUT_S):
+                raise TimeoutError("no reply within the timeout")
+            elapsed = time.perf_counter() - t0
+            prefill.end_step()
+            raw_s, descriptors, nbytes = decode.call("raw")
+            if i:
+                runtime.append(elapsed)
+                raw.append(raw_s)
+        finished = [prefill.wait_finished(n, TIMEOUT_S) for n in names]
+        if not all(f is not None and f.ok for f in finished):
+            raise RuntimeError(f"requests did not complete: {finished}")
+        bad = decode.call("verify")
+        if bad:
+            raise RuntimeError(f"{bad} destination blocks hold wrong bytes")
+    finally:
+        prefill.close()
+        decode.close()
+    return {
+        "nbytes": nbytes,
+        "descriptors": descriptors,
+        "memcpy": statistics.median(memcpy),
+        "raw": statistics.median(raw),
+        "runtime": statistics.median(runtime),
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the benchmark; 1 if runtime/raw falls under ``--min-ratio``, else 0."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    ap.add_argument("--backend", default="nixl", choices=["loopback", "nixl", "mooncake"])
+    ap.add_argument("--layer-mib", type=int, nargs="+", default=[20, 256])
+    ap.add_argument("--requests", type=int, default=8, help="requests sharing the layer")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--min-ratio", type=float, default=0.0)
+    args = ap.parse_args(argv)
+
+    print(
+        f"one layer through the runtime ({args.backend}, Prefill here, Decode in a "
+        f"{'thread' if args.backend == 'loopback' else 'child process'}), "
+        f"{args.requests} requests, shuffled blocks, median of {args.repeats}; GB/s = 1e9 B/s"
+    )
+    print(
+        f"{'layer MiB':>9} {'descs':>6} {'memcpy':>8} {'raw':>8} {'runtime':>8}"
+        f" {'runtime/raw':>12} {'runtime/memcpy':>15}"
+    )
+    ok = True
+    for mib in args.layer_mib:
+        r = run_size(args.backend, mib * MIB, args.requests, args.repeats, args.seed)
+        gbs = {k: r["nbytes"] / r[k] / 1e9 for k in ("memcpy", "raw", "runtime")}
+        ratio = gbs["runtime"] / gbs["raw"]
+        print(
+            f"{r['nbytes'] / MIB:>9.1f} {r['descriptors']:>6} {gbs['memcpy']:>8.2f} "
+            f"{gbs['raw']:>8.2f} {gbs['runtime']:>8.2f} {ratio:>11.0%} "
+            f"{gbs['runtime'] / gbs['memcpy']:>14.0%}"
+        )
+        ok = ok and ratio >= args.min_ratio
+    print("goal: runtime >= 70% of raw")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
