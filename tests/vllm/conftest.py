@@ -21,6 +21,7 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 import pytest
 import vllm.config as vllm_config_mod
+from vllm_metaserver_harness import MetaServer
 
 TINY_LLAMA: Mapping[str, Any] = {
     "architectures": ["LlamaForCausalLM"],
@@ -101,3 +102,11 @@ def make_vllm_config(model_config: vllm_config_mod.ModelConfig) -> VllmConfigFac
         return config
 
     return make
+
+
+@pytest.fixture
+def server() -> Iterator[MetaServer]:
+    """A real aiohttp metaserver on 127.0.0.1, closed after the test."""
+    srv = MetaServer()
+    yield srv
+    srv.close()

@@ -25,7 +25,7 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from rd2h_protocol.errors import ErrorCode
 from rd2h_vllm.metrics import CounterDelta, Rd2hKVConnectorStats
 
-PROBE = {
+PROBE: dict[str, Any] = {
     "kv_connector": "Rd2hStatsProbe",
     "kv_role": "kv_consumer",
     "kv_connector_module_path": PROBE_MODULE,
@@ -49,9 +49,9 @@ class FakeEndpointStats:
 
 @pytest.fixture
 def prom_registry() -> Iterator[None]:
-    unregister_vllm_metrics()
+    unregister_vllm_metrics()  # type: ignore[no-untyped-call]
     yield
-    unregister_vllm_metrics()
+    unregister_vllm_metrics()  # type: ignore[no-untyped-call]
 
 
 def worker_stats(rank: int) -> Rd2hKVConnectorStats:
@@ -78,7 +78,9 @@ def model_runner_output(stats: Rd2hKVConnectorStats | None) -> ModelRunnerOutput
 
 def aggregated_payload() -> dict[str, Any]:
     """Two workers -> vLLM's KVOutputAggregator -> to_dict -> msgpack (process hop)."""
-    outputs = [model_runner_output(worker_stats(r).take()) for r in (0, 1)]
+    outputs: list[ModelRunnerOutput | None] = [
+        model_runner_output(worker_stats(r).take()) for r in (0, 1)
+    ]
     merged = KVOutputAggregator(expected_finished_count=2).aggregate(outputs)
     assert merged is not None and merged.kv_connector_output is not None
     stats = merged.kv_connector_output.kv_connector_stats
@@ -125,7 +127,7 @@ def test_workers_aggregate_through_vllm_and_reduce_for_the_log_line() -> None:
     logging_.observe(payload)
     logging_.observe(payload)
     lines: list[str] = []
-    logging_.log(log_fn=lambda fmt, *args: lines.append(fmt % args))
+    logging_.log(log_fn=lambda fmt, *args: lines.append(fmt % args))  # type: ignore[no-untyped-call]
     assert len(lines) == 1
     line = lines[0]
     for expected in (

@@ -1,0 +1,489 @@
+"""The scheduler side of the connector: per-request bookkeeping and the worker metadata.
+
+Theory of operation
+-------------------
+vLLM 0.32's scheduler drives a connector like this (vllm/v1/core/sched/scheduler.py):
+
+* A waiting request is first offered to ``get_num_new_matched_tokens(request,
+  num_computed_tokens)`` (``num_computed_tokens`` = its block-aligned LOCAL prefix hit).
+  It may be asked more than once for one request, so it must not change state.
+* If blocks could be allocated, ``update_state_after_alloc(request, blocks,
+  num_external_tokens)`` follows, with ALL the request's blocks (cached and new, every
+  KV-cache group) and the external token count the scheduler accepted. It is called only
+  on this waiting -> scheduled path; later chunks of a running request allocate without
+  it, so Prefill reads a request's current blocks from
+  ``scheduler_output.kv_connector_block_state`` at metadata time instead.
+* An asynchronous load (``(n, True)``) puts the request in WAITING_FOR_REMOTE_KVS. It
+  leaves that state when every worker listed it in ``finished_recving`` (vLLM's
+  KVOutputAggregator counts one report per worker), failed or not; a failed load also
+  lists its blocks in ``invalid_block_ids`` (from ``get_block_ids_with_load_errors``).
+* ``build_connector_meta(scheduler_output)`` runs once per step at the end of
+  ``schedule()``, BEFORE the scheduled requests' ``num_computed_tokens`` advance; its
+  result reaches every worker as ``scheduler_output.kv_connector_metadata``.
+* ``update_connector_output(output)`` sees the workers' aggregated output first thing in
+  ``update_from_output``.
+* ``request_finished`` (``request_finished_all_groups`` with HMA) is called once when a
+  request ends (finished or aborted). Returning True keeps its blocks until the id shows
+  up in a later ``finished_sending`` or ``finished_recving``. A request aborted while in
+  WAITING_FOR_REMOTE_KVS is kept by vLLM itself until ``finished_recving``.
+
+Decode (kv_consumer): a request whose ``kv_transfer_params`` say ``do_remote_prefill``
+reports its remaining prompt tokens as matched asynchronously; after allocation its
+destination block ids are recorded (they never leave Decode), its rendezvous is queued
+and ``do_remote_prefill`` is cleared. :meth:`SchedulerSide.build_connector_meta` hands the
+worker the new destinations (:class:`LoadSpec`) and only THEN posts the rendezvous, so
+the worker knows the destinations no later than Prefill can learn of the request. A
+rendezvous that cannot be delivered becomes a :class:`LoadFailure` in a later step's
+metadata: the worker fails the request, reports its blocks as load errors and lists it
+in ``finished_recving`` once no read of it is in flight. ``request_finished`` delays the
+free of a request whose load is still in progress (required-departures.md item 5).
+
+Prefill (kv_producer): a request whose ``kv_transfer_params`` say ``do_remote_decode``
+picks its own rendezvous (:func:`~rd2h_protocol.rendezvous.params_for_child`, so the
+children of a prompt list each find theirs). Every step that computes some of its
+prompt adds a :class:`SendSpec`: its current block ids per group, the tokens Decode
+already holds, the tokens already published and the tokens computed once this step has
+run, and whether this step finishes the prompt. The worker turns that into block ranges
+with :func:`~rd2h_protocol.topology.chunk_block_range`. ``request_finished`` keeps the
+blocks of a request that published anything until the workers list it in
+``finished_sending`` (every Decode read of it is over), because vLLM may hand freed
+blocks to another request (and zero them) before the next forward pass.
+
+The worker-side contract (for ``SfaRemoteD2HConnector``'s worker half):
+
+* Decode: for every :class:`LoadSpec` create the consumer endpoint's request; report the
+  request in ``finished_recving`` exactly once, when it completed or failed on this rank
+  and no read of it is in flight; failed ones' main and indexer blocks go to
+  ``get_block_ids_with_load_errors``. Requests in ``load_failures`` and requests in
+  ``finished_req_ids`` (aborted) fail / abort the same way.
+* Prefill: publish :class:`SendSpec` chunks; report the request in ``finished_sending``
+  exactly once, after vLLM listed it in ``finished_req_ids`` and no Decode read of it can
+  happen any more (``RequestFinished`` from the producer endpoint, or never published).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+import msgspec
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+from rd2h_protocol.errors import ConfigError, ErrorCode, ProtocolError
+from rd2h_protocol.rendezvous import METASERVER_KEY, Rendezvous, params_for_child
+from rd2h_protocol.topology import external_request_id
+from rd2h_vllm.config import Rd2hConfig
+from rd2h_vllm.metaserver import MetaserverError, PostResult
+from rd2h_vllm.metrics import Rd2hKVConnectorStats
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+# -- metadata (scheduler -> every worker) ---------------------------------------------------
+
+
+class LoadSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """Decode: where one request's remote KV goes, in logical block order.
+
+    ``main_block_ids`` / ``indexer_block_ids`` are the request's FULL block lists of the
+    main and indexer KV-cache groups (a chunk's start offsets index into them);
+    ``indexer_block_ids`` is None for a model without an indexer. ``local_tokens`` are
+    prompt tokens Decode already holds (its prefix-cache hit, posted as
+    ``remote_cached_tokens``); ``num_tokens`` are the tokens to receive.
+    """
+
+    req_id: str
+    ext_id: str
+    main_block_ids: list[int]
+    indexer_block_ids: list[int] | None
+    local_tokens: int
+    num_tokens: int
+
+
+class LoadFailure(msgspec.Struct, frozen=True, kw_only=True):
+    """Decode: a request that can no longer receive its KV (its rendezvous failed)."""
+
+    req_id: str
+    ext_id: str
+    code: int
+    message: str
+
+
+class DecodeTarget(msgspec.Struct, frozen=True, kw_only=True):
+    """Prefill: the Decode engine a request's KV goes to (from its rendezvous)."""
+
+    engine_id: str
+    host: str
+    base_port: int
+    tp_size: int
+
+
+class SendSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """Prefill: one step of one request (chunk bookkeeping for ``chunk_block_range``).
+
+    ``remote_cached_tokens``: held by Decode already; ``transferred_tokens``: published
+    by earlier steps (rounded down to the smallest block size); ``computed_tokens``:
+    computed once this step has run; ``final``: this step finishes the prompt (its
+    partial last block goes too and the request's done signal follows the last layer).
+    """
+
+    req_id: str
+    ext_id: str
+    target: DecodeTarget
+    remote_cached_tokens: int
+    transferred_tokens: int
+    computed_tokens: int
+    final: bool
+    main_block_ids: list[int]
+    indexer_block_ids: list[int] | None
+
+
+@dataclass
+class Rd2hConnectorMetadata(KVConnectorMetadata):
+    """What one scheduler step tells every worker (picklable plain data)."""
+
+    loads: list[LoadSpec] = field(default_factory=list)
+    load_failures: list[LoadFailure] = field(default_factory=list)
+    sends: list[SendSpec] = field(default_factory=list)
+
+    def is_empty(self) -> bool:
+        return not (self.loads or self.load_failures or self.sends)
+
+
+# -- KV-cache groups --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class CacheGroups:
+    """Which vLLM KV-cache group holds the main KV and which the indexer.
+
+    A uniform model has one group for both (main and indexer ids are then the same
+    list); a model without indexer layers has ``indexer`` None. ``block_sizes`` are the
+    groups' block sizes in group order.
+    """
+
+    main: int
+    indexer: int | None
+    block_sizes: tuple[int, ...]
+
+    @classmethod
+    def from_kv_cache_config(cls, kv_cache_config: KVCacheConfig) -> CacheGroups:
+        main: int | None = None
+        indexer: int | None = None
+        for index, group in enumerate(kv_cache_config.kv_cache_groups):
+            names = group.layer_names
+            if indexer is None and any("indexer" in name for name in names):
+                indexer = index
+            if main is None and any("indexer" not in name for name in names):
+                main = index
+        if main is None:
+            raise ConfigError("no KV-cache group holds a main (non-indexer) attention layer")
+        sizes = tuple(g.kv_cache_spec.block_size for g in kv_cache_config.kv_cache_groups)
+        return cls(main=main, indexer=indexer, block_sizes=sizes)
+
+    @property
+    def smallest_block_size(self) -> int:
+        return min(self.block_sizes)
+
+    def split(self, block_ids: Sequence[Sequence[int]]) -> tuple[list[int], list[int] | None]:
+        """(main ids, indexer ids or None) from vLLM's per-group block id lists."""
+        main = list(block_ids[self.main])
+        return main, None if self.indexer is None else list(block_ids[self.indexer])
+
+
+# -- the scheduler side ---------------------------------------------------------------------
+
+
+class Poster(Protocol):
+    """What posts a rendezvous without blocking (``RendezvousPoster`` in production)."""
+
+    def post(self, url: str, rendezvous: Rendezvous) -> concurrent.futures.Future[PostResult]:
+        """Start posting; the future raises ``MetaserverError`` on failure."""
+
+
+@dataclass
+class _SendState:
+    request: Request
+    ext_id: str
+    target: DecodeTarget
+    remote_cached_tokens: int
+    transferred_tokens: int = 0
+    published: bool = False  # a SendSpec went to the workers
+    final_sent: bool = False
+    finished: bool = False  # request_finished returned True; waiting for finished_sending
+
+
+class SchedulerSide:
+    """The connector's scheduler half for one role (see the module docstring).
+
+    ``poster`` is required on Decode; ``host`` is the address posted in rendezvous
+    (default: ``config.advertise_host``, else vLLM's ``get_ip()``).
+    """
+
+    def __init__(
+        self,
+        config: Rd2hConfig,
+        kv_cache_config: KVCacheConfig,
+        *,
+        poster: Poster | None = None,
+        host: str | None = None,
+    ) -> None:
+        self.config = config
+        self.groups = CacheGroups.from_kv_cache_config(kv_cache_config)
+        self.stats = Rd2hKVConnectorStats()
+        if config.is_consumer:
+            if poster is None:
+                raise ConfigError("Decode's scheduler side needs a rendezvous poster")
+            if host is None:
+                host = config.advertise_host
+            if host is None:
+                from vllm.utils.network_utils import get_ip
+
+                host = get_ip()
+        self._poster = poster
+        self._host = host or ""
+        # Decode
+        self._loading: dict[str, LoadSpec] = {}
+        self._new_loads: list[LoadSpec] = []
+        self._to_post: list[tuple[str, str, Rendezvous]] = []  # (req_id, url, rendezvous)
+        self._failures_lock = threading.Lock()
+        self._failures: list[LoadFailure] = []  # filled from the poster's thread
+        # Prefill
+        self._sending: dict[str, _SendState] = {}
+
+    # -- introspection (tests, invariant checks) ---------------------------------------
+
+    def loading(self) -> dict[str, LoadSpec]:
+        """Decode requests whose load is not yet reported finished by every worker."""
+        return dict(self._loading)
+
+    def sending(self) -> dict[str, bool]:
+        """Prefill requests tracked, with whether their blocks are held after finishing."""
+        return {req_id: state.finished for req_id, state in self._sending.items()}
+
+    def is_idle(self) -> bool:
+        """No per-request state left (every map has drained)."""
+        return not (self._loading or self._new_loads or self._to_post or self._sending)
+
+    # -- vLLM hooks ----------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        """Decode: the prompt tokens not held locally, loaded asynchronously. No side effect."""
+        if not self.config.is_consumer:
+            return 0, False
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_prefill"):
+            return 0, False
+        if not params.get(METASERVER_KEY):
+            # Without a metaserver nobody can tell Prefill: compute locally instead.
+            logger.warning(
+                "request %s asks for a remote prefill but names no %r; computing it locally",
+                request.request_id,
+                METASERVER_KEY,
+            )
+            return 0, False
+        count = request.num_prompt_tokens - num_computed_tokens
+        return (count, True) if count > 0 else (0, False)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        """Decode: record destinations and queue the rendezvous. Prefill: take the
+        request's rendezvous."""
+        params = request.kv_transfer_params
+        if not params:
+            return
+        if self.config.is_consumer:
+            if params.get("do_remote_prefill") and params.get(METASERVER_KEY):
+                self._decode_after_alloc(request, blocks, num_external_tokens, params)
+        elif params.get("do_remote_decode") and request.request_id not in self._sending:
+            self._prefill_after_alloc(request, params)
+
+    def _decode_after_alloc(
+        self,
+        request: Request,
+        blocks: KVCacheBlocks,
+        num_external_tokens: int,
+        params: dict[str, Any],
+    ) -> None:
+        req_id = request.request_id
+        ext_id = external_request_id(req_id)
+        local_tokens = request.num_prompt_tokens - num_external_tokens
+        # Clear first: a later lookup of this request (preemption) must not start again.
+        params["do_remote_prefill"] = False
+        rendezvous = Rendezvous(
+            request_id=ext_id,
+            remote_engine_id=self.config.engine_id,
+            remote_host=self._host,
+            remote_port=self._base_port,
+            remote_tp_size=self.config.tp_size,
+            remote_cached_tokens=local_tokens,
+        )
+        # Posted even when nothing is to be loaded (a full local hit): the proxy waits for
+        # every child's rendezvous before it dispatches the prompt to Prefill.
+        self._to_post.append((req_id, str(params[METASERVER_KEY]), rendezvous))
+        if num_external_tokens <= 0:
+            return
+        main, indexer = self.groups.split(blocks.get_block_ids())
+        spec = LoadSpec(
+            req_id=req_id,
+            ext_id=ext_id,
+            main_block_ids=main,
+            indexer_block_ids=indexer,
+            local_tokens=local_tokens,
+            num_tokens=num_external_tokens,
+        )
+        self._loading[req_id] = spec
+        self._new_loads.append(spec)
+
+    @property
+    def _base_port(self) -> int:
+        assert self.config.base_port is not None  # set for every consumer config
+        return self.config.base_port
+
+    def _prefill_after_alloc(self, request: Request, params: dict[str, Any]) -> None:
+        ext_id = external_request_id(request.request_id)
+        try:
+            rendezvous = params_for_child(params, ext_id)
+            self.config.check_peer(rendezvous.remote_tp_size)
+        except ProtocolError as exc:
+            # Prefill still computes the request (the client gets its token); Decode,
+            # never reached, fails it on its own deadline.
+            logger.error("request %s: no usable rendezvous: %s", request.request_id, exc)
+            self.stats.record_failure(exc.code)
+            return
+        self._sending[request.request_id] = _SendState(
+            request=request,
+            ext_id=ext_id,
+            target=DecodeTarget(
+                engine_id=rendezvous.remote_engine_id,
+                host=rendezvous.remote_host,
+                base_port=rendezvous.remote_port,
+                tp_size=rendezvous.remote_tp_size,
+            ),
+            remote_cached_tokens=rendezvous.remote_cached_tokens,
+        )
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> Rd2hConnectorMetadata:
+        """This step's metadata; Decode then posts the rendezvous queued this step."""
+        meta = Rd2hConnectorMetadata()
+        if self.config.is_consumer:
+            meta.loads, self._new_loads = self._new_loads, []
+            with self._failures_lock:
+                failures, self._failures = self._failures, []
+            meta.load_failures = [f for f in failures if f.req_id in self._loading]
+            for failure in meta.load_failures:
+                self.stats.record_failure(failure.code)
+            self._post_queued()
+        else:
+            meta.sends = self._prefill_sends(scheduler_output)
+        return meta
+
+    def _post_queued(self) -> None:
+        assert self._poster is not None
+        queued, self._to_post = self._to_post, []
+        for req_id, url, rendezvous in queued:
+            future = self._poster.post(url, rendezvous)
+            future.add_done_callback(self._on_posted(req_id, rendezvous.request_id))
+
+    def _on_posted(
+        self, req_id: str, ext_id: str
+    ) -> Callable[[concurrent.futures.Future[PostResult]], None]:
+        def done(future: concurrent.futures.Future[PostResult]) -> None:
+            # Runs on the poster's thread: only hand the outcome over.
+            if future.cancelled():
+                failure = LoadFailure(
+                    req_id=req_id,
+                    ext_id=ext_id,
+                    code=int(ErrorCode.ABORTED),
+                    message="rendezvous post cancelled (connector shutting down)",
+                )
+            else:
+                exc = future.exception()
+                if exc is None:
+                    return
+                code = exc.code if isinstance(exc, MetaserverError) else ErrorCode.UNKNOWN
+                failure = LoadFailure(
+                    req_id=req_id, ext_id=ext_id, code=int(code), message=str(exc)
+                )
+            with self._failures_lock:
+                self._failures.append(failure)
+
+        return done
+
+    def _prefill_sends(self, scheduler_output: SchedulerOutput) -> list[SendSpec]:
+        sends: list[SendSpec] = []
+        block_state = scheduler_output.kv_connector_block_state
+        for req_id, scheduled in scheduler_output.num_scheduled_tokens.items():
+            state = self._sending.get(req_id)
+            if state is None or state.final_sent or state.finished:
+                continue
+            request = state.request
+            prompt = request.num_prompt_tokens
+            computed = min(request.num_computed_tokens + scheduled, prompt)
+            block_ids = block_state.get_block_ids(req_id) if block_state is not None else None
+            if block_ids is None:
+                continue  # vLLM offered no block state: nothing to publish this step
+            main, indexer = self.groups.split(block_ids)
+            final = computed >= prompt
+            sends.append(
+                SendSpec(
+                    req_id=req_id,
+                    ext_id=state.ext_id,
+                    target=state.target,
+                    remote_cached_tokens=state.remote_cached_tokens,
+                    transferred_tokens=state.transferred_tokens,
+                    computed_tokens=computed,
+                    final=final,
+                    main_block_ids=main,
+                    indexer_block_ids=indexer,
+                )
+            )
+            smallest = self.groups.smallest_block_size
+            state.transferred_tokens = computed // smallest * smallest
+            state.published = True
+            state.final_sent = final
+        return sends
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """Forget requests every worker reported finished."""
+        for req_id in connector_output.finished_recving or ():
+            self._loading.pop(req_id, None)
+        for req_id in connector_output.finished_sending or ():
+            self._sending.pop(req_id, None)
+
+    def request_finished(
+        self, request: Request, block_ids: Sequence[Sequence[int]]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """Whether vLLM must keep the request's blocks (see the module docstring)."""
+        req_id = request.request_id
+        if self.config.is_consumer:
+            # vLLM keeps a request aborted in WAITING_FOR_REMOTE_KVS on its own; saying so
+            # here as well makes the rule hold in every state: no free while a read may
+            # still write. Either way the release is the workers' finished_recving.
+            return req_id in self._loading, None
+        state = self._sending.get(req_id)
+        if state is None:
+            return False, None
+        if not state.published:
+            del self._sending[req_id]
+            return False, None
+        state.finished = True
+        return True, None
+
+    def get_kv_connector_stats(self) -> Rd2hKVConnectorStats | None:
+        """Scheduler-side stats of the interval (rendezvous failures), then reset."""
+        return self.stats.take()
