@@ -223,6 +223,10 @@ class DecodeEngine:
     def base_port(self) -> int:
         return self.workers[0].port
 
+    def post(self, name: str, *args: Any) -> None:
+        """Call without waiting for the answer (for a call the child may die during)."""
+        self.conn.send((name, args))
+
     def target(self) -> DecodeTarget:
         """What the rendezvous tells Prefill about this engine."""
         return DecodeTarget(HOST, self.base_port, self.spec.d_tp)
@@ -531,6 +535,10 @@ class EngineProcess:
     def call(self, name: str, *args: Any, timeout: float = 60.0) -> Any:
         self.conn.send((name, args))
         return self._reply(timeout, name)
+
+    def post(self, name: str, *args: Any) -> None:
+        """Call without waiting for the answer (for a call the child may die during)."""
+        self.conn.send((name, args))
 
     def target(self) -> DecodeTarget:
         target: DecodeTarget = self.call("target")
