@@ -13,6 +13,9 @@ if ! ldconfig -p 2>/dev/null | grep -q 'libibverbs.so.1' || ! ldconfig -p | grep
     fi
 fi
 
+# vLLM 0.32 on a CPU torch first (idempotent: a quick import check when installed), so
+# that nixl's unpinned torch requirement below is already met by the CPU build.
+bash tools/install-vllm.sh
 python -m pip install -q --disable-pip-version-check -e '.[test]'
 
 # UCX probes InfiniBand at import and segfaults at exit on hosts without it.
@@ -20,6 +23,6 @@ export UCX_MODULES="${UCX_MODULES:-^ib}"
 
 python -m ruff check .
 python -m ruff format --check .
-python -m mypy rd2h_protocol rd2h_runtime
+python -m mypy rd2h_protocol rd2h_runtime rd2h_vllm
 python -m rd2h_protocol.spec --check
 exec python -m pytest "$@"
