@@ -32,6 +32,8 @@ class ErrorCode(enum.IntEnum):
     ABORTED = 12  # the request was aborted by either side
     INCOMPATIBLE = 13  # handshake compat string or version refused
     TIMEOUT = 14  # no progress within the configured deadline
+    STEP_INCOMPLETE = 15  # a Prefill step ended before every cache-bearing layer was written
+    CONNECTION_LOST = 16  # the runtime's heartbeat declared the peer endpoint dead
 
 
 class ProtocolError(Exception):

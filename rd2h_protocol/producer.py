@@ -16,10 +16,39 @@ resolves their guards and performs their effects. The two properties it protects
 * buffer reuse (S1): the runtime asks :meth:`ProducerEndpoint.can_overwrite` before a
   layer's storage is written; it is True only while every publication against that
   storage has ended (a terminal reply, a local release, or an expired lease whose ABORT
-  went out first). :meth:`ProducerEndpoint.layer_written` refuses to publish into a
-  storage that is not open;
+  went out first -- emitted as a :class:`Send` before the :class:`GateOpened`).
+  :meth:`ProducerEndpoint.layer_written` refuses to publish into a storage that is not
+  open;
 * bounded state (B1): a request is forgotten the moment it is finished, and it is
-  finished only when no publication that named it is outstanding.
+  finished only when no publication that named it is outstanding (or still readable by
+  a peer that could not be told: such a publication keeps only its gates, see below).
+
+Peers that cannot be told (S1 toward v1)
+----------------------------------------
+A v1 Decode (or a v2 one without the ``abort`` capability, or any peer under
+``protocol="v1"``) cannot receive an ABORT, so an expired lease alone proves nothing: it
+may still be reading. With ``v1_lease_expiry="hold"`` (the default) such a publication is
+*held*: its requests are reported failed (``LEASE_EXPIRED``) at once, but its storage
+gates stay closed until that connection replies to it, or until the runtime declares
+the endpoint dead with :meth:`ProducerEndpoint.connection_lost`. The same holds for a v2
+peer whose ABORT has to wait for a handshake in progress (after UNKNOWN_SESSION): the
+gates reopen only once the ABORT has been emitted. ``v1_lease_expiry="reopen"`` keeps
+v1's behaviour (reopen at expiry, untold) and is UNSAFE: the compute path may overwrite
+storage a Decode is still reading.
+
+Dead peers
+----------
+:meth:`ProducerEndpoint.connection_lost` is for the runtime's heartbeat. Publications
+out on that connection fail their requests at once (``CONNECTION_LOST``; an ABORT goes
+out best effort to a v2 peer, which may come back), but their gates reopen only when the
+lease has ALSO run out (or a reply comes). A heartbeat proves that the peer process is
+gone or cut off, not that no read it started is still moving bytes, and for a v1 peer
+nothing else ever will; the lease (30 s by default, against reads of milliseconds that
+v1 starts on receipt) is what bounds such a read. Residual risk, accepted: a Decode cut
+off on the control network only, whose data path still works, and that starts a read
+more than a lease after the readiness arrived. A reply that such a peer sends after
+that (v1 replies carry no seq) may also be matched to a newer publication of the same
+layer on that connection.
 
 Step protocol, per engine step: ``schedule_chunk`` for every request with blocks in the
 step, then ``layer_written`` for each cache-bearing layer (each at most once), then
@@ -63,7 +92,10 @@ from rd2h_protocol.messages import (
     ReadReq,
 )
 from rd2h_protocol.producer_machines import (
+    C_LOCAL_CONNECTION_LOST,
+    C_LOCAL_HELD_ABORTS,
     C_LOCAL_PUBLISH,
+    C_LOCAL_PUBLISH_RETRY,
     C_RECV_ACK_REFUSED,
     C_RECV_ACK_V1,
     C_RECV_ACK_V2,
@@ -72,39 +104,58 @@ from rd2h_protocol.producer_machines import (
     CONN_HANDSHAKING,
     CONN_IDLE,
     CONN_READY_V2,
+    CONN_REFUSED,
     CONNECTION_HANDSHAKE,
     EFFECT_COUNT_DUPLICATE,
     EFFECT_COUNT_STALE,
     EFFECT_DONE,
     EFFECT_EXPIRE_ABORT,
+    EFFECT_EXPIRE_UNSENT,
+    EFFECT_EXPIRE_UNTOLD,
     EFFECT_FAIL,
     EFFECT_FAIL_QUEUED,
     EFFECT_FINISH,
     EFFECT_FLUSH,
+    EFFECT_HOLD,
     EFFECT_IGNORE,
+    EFFECT_ORPHAN,
     EFFECT_RELEASE,
+    EFFECT_RELEASE_HELD,
     EFFECT_REOPEN,
     EFFECT_REQUEUE,
+    EFFECT_RESET,
     EFFECT_SEND,
     EFFECT_SEND_ABORT,
     EFFECT_SEND_META,
     G_LOCAL_ABORT_SENT,
+    G_LOCAL_LAST_ABORT_SENT,
+    G_LOCAL_LAST_PEER_DEAD,
     G_LOCAL_LAST_RELEASE,
+    G_LOCAL_LAST_REOPEN_UNSAFE,
+    G_LOCAL_PEER_DEAD,
     G_LOCAL_PUBLISH,
     G_LOCAL_RELEASE,
+    G_LOCAL_REOPEN_UNSAFE,
     G_RECV_LAST_REPLY,
     G_RECV_REPLY,
     G_TIMER_LEASE_EXPIRED,
     GATE_OPEN,
     LAYER_PUBLICATION,
+    P_LOCAL_ABORT_SENT,
+    P_LOCAL_CONNECTION_LOST,
     P_LOCAL_RELEASE,
+    P_LOCAL_REOPEN_UNSAFE,
     P_RECV_DONE,
     P_RECV_FAILED,
     P_RECV_UNKNOWN_SESSION,
     P_SEND_READINESS,
     P_TIMER_LEASE_EXPIRED,
+    P_TIMER_LEASE_EXPIRED_UNSAFE,
+    P_TIMER_LEASE_EXPIRED_UNTOLD,
     PREFILL_REQUEST,
     PRODUCER_MACHINES,
+    PUB_HELD,
+    PUB_ORPHANED,
     PUB_QUEUED,
     PUB_REQUEUED,
     R_LOCAL_ABORT,
@@ -141,6 +192,7 @@ __all__ = [
 
 ReadFailurePolicy: TypeAlias = Literal["isolate", "raise"]
 ProtocolChoice: TypeAlias = Literal["v2", "v1"]
+V1LeaseExpiry: TypeAlias = Literal["hold", "reopen"]
 
 _MAX_LEASE_MS: Final = (1 << 32) - 1  # lease_ms is a uint32 on the wire
 # Request states that end as soon as no live publication names the request.
@@ -163,6 +215,13 @@ class ProducerConfig:
     :meth:`ProducerEndpoint.can_overwrite` of the affected storage raise (v1 behaviour).
     ``protocol`` "v1" speaks v1 to every peer (interop tests). ``history`` is how many
     ended publications per connection are remembered to tell duplicate from stale replies.
+
+    ``v1_lease_expiry`` decides what an expired lease does toward a peer that cannot
+    receive an ABORT (v1): "hold" (default, safe) fails the requests at once but keeps the
+    storage closed until that peer replies or is declared dead (module docstring);
+    "reopen" reopens at once as v1 did, which is UNSAFE (the peer may still be reading).
+    A refused handshake is tried again by the first publication ``refused_retry_s`` after
+    the refusal; the wait doubles per consecutive refusal, up to ``refused_retry_max_s``.
     """
 
     p_rank: int
@@ -175,6 +234,9 @@ class ProducerConfig:
     compat: str = ""
     handshake_timeout_s: float = 10.0
     history: int = 1024
+    v1_lease_expiry: V1LeaseExpiry = "hold"
+    refused_retry_s: float = 30.0
+    refused_retry_max_s: float = 600.0
 
     def __post_init__(self) -> None:
         if not self.layers:
@@ -195,6 +257,17 @@ class ProducerConfig:
             raise ConfigError(f"handshake_timeout_s: expected > 0, got {self.handshake_timeout_s}")
         if self.history < 0:
             raise ConfigError(f"history: expected >= 0, got {self.history}")
+        if self.v1_lease_expiry not in ("hold", "reopen"):
+            raise ConfigError(
+                f"v1_lease_expiry: expected 'hold' or 'reopen', got {self.v1_lease_expiry!r}"
+            )
+        if not self.refused_retry_s > 0:
+            raise ConfigError(f"refused_retry_s: expected > 0, got {self.refused_retry_s}")
+        if not self.refused_retry_max_s >= self.refused_retry_s:
+            raise ConfigError(
+                f"refused_retry_max_s: expected >= refused_retry_s ({self.refused_retry_s}), "
+                f"got {self.refused_retry_max_s}"
+            )
         # Fail on a bad rank now, not at the first request.
         map_prefill_rank(self.p_rank, self.p_tp, 1)
 
@@ -227,10 +300,12 @@ class Send:
 
 @dataclass(frozen=True, slots=True)
 class RequestFinished:
-    """No Decode read of the request can happen any more: its source blocks may be freed.
+    """The request is over: its source blocks may go back to the allocator.
 
     ``ok`` is True when every layer of every chunk was read (``code`` None); otherwise
-    ``code`` and ``message`` give the first reason it stopped.
+    ``code`` and ``message`` give the first reason it stopped. A failed request may still
+    be read by a peer that could not be told (a held lease, see the module docstring);
+    the storage gates, not the request, keep the compute path from overwriting that.
     """
 
     ext_req_id: str
@@ -264,6 +339,10 @@ class ProducerStats:
     read_failures: int = 0
     isolated_failures: int = 0
     expired_leases: int = 0
+    held_leases: int = 0  # expired toward a peer not told yet: storage kept closed
+    unsafe_reopens: int = 0  # expired and reopened untold (v1_lease_expiry="reopen")
+    connections_lost: int = 0
+    handshake_retries: int = 0  # after a refusal's backoff, or to deliver held ABORTs
     aborts_sent: int = 0
     aborts_received: int = 0
     handshakes: int = 0
@@ -310,6 +389,10 @@ class _Conn:
     pending_aborts: list[str] = field(default_factory=list)  # waiting for the handshake
     history: OrderedDict[int, tuple[int, str]] = field(default_factory=OrderedDict)
     handshake_token: int = -1
+    refusals: int = 0  # consecutive refused handshakes
+    retry_at: float = 0.0  # a refused connection is tried again from then on
+    refusal: str = ""  # why the peer refused, for the requests failed meanwhile
+    reconnect: bool = False  # declared dead: the next handshake starts with a Connect
 
 
 @dataclass(slots=True, eq=False)
@@ -319,7 +402,7 @@ class _Request:
     state: str
     outstanding: int = 0  # live publications that name this request
     chunk: ReadReq | None = None  # this step's blocks
-    aborted_toward_peer: bool = False
+    aborted_toward_peer: bool = False  # an ABORT naming it was emitted (not just queued)
     code: ErrorCode = ErrorCode.UNKNOWN
     message: str = ""
 
@@ -336,6 +419,7 @@ class _Pub:
     deadline: float
     state: str = PUB_QUEUED
     seq: int | None = None  # key in conn.sent while on the wire
+    abort_ids: list[str] = field(default_factory=list)  # held: the ABORT it waits for
 
 
 # -- the endpoint --------------------------------------------------------------------------
@@ -523,7 +607,7 @@ class ProducerEndpoint:
                     self._fail(
                         req,
                         R_LOCAL_FAILURE,
-                        ErrorCode.UNKNOWN,
+                        ErrorCode.STEP_INCOMPLETE,
                         f"the step ended with {missing} of {len(self._layer_names)} layers "
                         "not written",
                     )
@@ -557,6 +641,53 @@ class ProducerEndpoint:
             self._send_abort(self._conns[name], ids, "aborted by Prefill", out)
         for req in touched:
             self._maybe_drain(req, out)
+        return out
+
+    def connection_lost(self, conn: str, now: float) -> list[Output]:
+        """The runtime's heartbeat declared Decode endpoint ``conn`` dead.
+
+        Every publication out on it fails its requests now (``CONNECTION_LOST``); a v2
+        peer is sent an ABORT for them, best effort, since it may come back. Their storage
+        gates reopen only once their lease has run out as well (at once for a lease that
+        ran out already), or when a reply comes after all: see "Dead peers" in the module
+        docstring for why the lease is still required. Readiness that waited for the
+        handshake is released, and the connection returns to idle, so the next
+        publication starts a fresh handshake, preceded by a :class:`Connect` (the runtime
+        may have replaced the DEALER); any refusal backoff is forgotten. Frames that still
+        arrive on ``conn`` are handled as before. Raises :class:`LocalProtocolError` for a
+        name this endpoint never opened.
+        """
+        del now  # the leases keep their own deadlines
+        c = self._conns.get(conn)
+        if c is None:
+            raise LocalProtocolError(f"connection {conn!r} is not a Decode endpoint of ours")
+        self.stats.connections_lost += 1
+        out: list[Output] = []
+        message = f"Decode endpoint {conn} was declared dead by the heartbeat"
+        orphans: list[_Pub] = []
+        held: list[_Pub] = []
+        for pub in list(c.sent.values()):
+            effect, pub.state = LAYER_PUBLICATION.step(pub.state, P_LOCAL_CONNECTION_LOST)
+            if effect == EFFECT_ORPHAN:
+                orphans.append(pub)
+            elif effect == EFFECT_RELEASE_HELD:
+                held.append(pub)
+        if orphans and self._can_abort_now(c):
+            ids = [r.ext_id for p in orphans for r in p.requests if not r.aborted_toward_peer]
+            if ids:
+                self._emit_abort(c, list(dict.fromkeys(ids)), "Prefill lost the connection", out)
+        for pub in orphans:
+            self._fail_requests(pub, R_LOCAL_FAILURE, ErrorCode.CONNECTION_LOST, message, {})
+        for pub in held:  # lease ran out AND the peer is dead
+            self._end_pub(pub, out, G_LOCAL_PEER_DEAD, G_LOCAL_LAST_PEER_DEAD)
+        for pub in orphans:  # the requests end now, the gates at the lease
+            self._drain_pub(pub, out)
+        effect, c.state = CONNECTION_HANDSHAKE.step(c.state, C_LOCAL_CONNECTION_LOST)
+        assert effect == EFFECT_RESET
+        self._end_handshake(c)
+        c.refusals, c.retry_at, c.refusal = 0, 0.0, ""
+        c.reconnect = c.connected
+        self._fail_queued(c, ErrorCode.CONNECTION_LOST, message, out)
         return out
 
     # -- peer input ------------------------------------------------------------------------
@@ -610,9 +741,11 @@ class ProducerEndpoint:
     def handle_timer(self, now: float) -> list[Output]:
         """Handle every deadline at or before ``now``.
 
-        An expired lease sends ABORT for the publication's requests to a v2 peer (a v1
-        peer cannot be told), THEN reopens the gates, then fails the requests. An expired
-        handshake releases the readiness queued on that connection.
+        An expired lease sends ABORT for the publication's requests to a v2 peer, THEN
+        reopens the gates, then fails the requests. When no ABORT can go out now (a v1
+        peer, or a handshake in progress) the requests fail and the publication is held:
+        its gates stay closed (see the module docstring). An expired handshake releases
+        the readiness queued on that connection.
         """
         out: list[Output] = []
         timers = self._timers
@@ -620,7 +753,7 @@ class ProducerEndpoint:
             _, uid = heapq.heappop(timers)
             pub = self._pubs.get(uid)
             if pub is not None:
-                self._expire(pub, out)
+                self._expire(pub, now, out)
                 continue
             conn = self._handshakes.pop(uid, None)
             if conn is not None:
@@ -636,6 +769,7 @@ class ProducerEndpoint:
                     f"{self.config.handshake_timeout_s} s",
                     out,
                 )
+                self._settle_held(conn, now, out)
         return out
 
     # -- views for invariant checks --------------------------------------------------------
@@ -718,23 +852,30 @@ class ProducerEndpoint:
             out.append(RequestFinished(req.ext_id, False, req.code, req.message))
 
     def _send_abort(self, conn: _Conn, ext_ids: list[str], reason: str, out: list[Output]) -> None:
-        """ABORT toward a v2 peer that understands it; held while a handshake runs.
+        """ABORT toward a v2 peer that understands it; queued while a handshake runs.
 
-        A v1 peer (or a connection that never started a handshake) cannot be told.
+        A v1 peer (or a connection that never started a handshake) cannot be told. A
+        queued ABORT does not count as sent: a lease that runs out meanwhile is held.
         """
-        if conn.state == CONN_READY_V2 and CAP_ABORT in conn.caps:
-            out.append(Send(conn.name, Abort(ext_ids=list(ext_ids), reason=reason)))
-            self.stats.aborts_sent += 1
+        if self._can_abort_now(conn):
+            self._emit_abort(conn, ext_ids, reason, out)
         elif conn.state == CONN_HANDSHAKING and not self._v1_only:
             conn.pending_aborts.extend(ext_ids)
-        else:
-            return
+
+    def _can_abort_now(self, conn: _Conn) -> bool:
+        return conn.state == CONN_READY_V2 and CAP_ABORT in conn.caps
+
+    def _emit_abort(self, conn: _Conn, ext_ids: list[str], reason: str, out: list[Output]) -> None:
+        out.append(Send(conn.name, Abort(ext_ids=list(ext_ids), reason=reason)))
+        self.stats.aborts_sent += 1
         for ext_id in ext_ids:
-            self._requests[ext_id].aborted_toward_peer = True
+            req = self._requests.get(ext_id)
+            if req is not None:  # a held lease's requests are finished already
+                req.aborted_toward_peer = True
 
     def _start_handshake(self, conn: _Conn, now: float, out: list[Output]) -> None:
-        if not conn.connected:
-            conn.connected = True
+        if not conn.connected or conn.reconnect:
+            conn.connected, conn.reconnect = True, False
             out.append(Connect(conn.name, conn.host, conn.port))
         out.append(Send(conn.name, self._meta))
         self.stats.handshakes += 1
@@ -758,15 +899,21 @@ class ProducerEndpoint:
         if effect == EFFECT_FAIL_QUEUED:
             self.stats.handshakes_refused += 1
             conn.caps = frozenset()
-            self._fail_queued(
-                conn,
-                ErrorCode.INCOMPATIBLE,
-                f"Decode endpoint {conn.name} refused the handshake "
-                f"(code {ack.error_code}): {ack.error or 'no reason given'}",
-                out,
+            cfg = self.config
+            conn.refusals += 1
+            backoff = min(
+                cfg.refused_retry_s * 2.0 ** min(conn.refusals - 1, 32), cfg.refused_retry_max_s
             )
+            conn.retry_at = now + backoff
+            conn.refusal = (
+                f"Decode endpoint {conn.name} refused the handshake "
+                f"(code {ack.error_code}): {ack.error or 'no reason given'}"
+            )
+            self._fail_queued(conn, ErrorCode.INCOMPATIBLE, conn.refusal, out)
+            self._settle_held(conn, now, out)
             return
         assert effect == EFFECT_FLUSH
+        conn.refusals = 0
         if event == C_RECV_ACK_V2:
             conn.caps = frozenset(ack.capabilities or ()) & frozenset(ALL_CAPABILITIES)
         else:
@@ -775,9 +922,53 @@ class ProducerEndpoint:
         for pub in queue:
             self._send(pub, now, out)
         aborts, conn.pending_aborts = conn.pending_aborts, []
-        if aborts and conn.state == CONN_READY_V2 and CAP_ABORT in conn.caps:
-            out.append(Send(conn.name, Abort(ext_ids=aborts, reason="aborted by Prefill")))
-            self.stats.aborts_sent += 1
+        if aborts and self._can_abort_now(conn):
+            self._emit_abort(conn, aborts, "aborted by Prefill", out)
+        self._settle_held(conn, now, out, told=aborts)
+
+    def _settle_held(
+        self, conn: _Conn, now: float, out: list[Output], told: Iterable[str] = ()
+    ) -> None:
+        """A handshake ended: deliver the ABORTs held publications wait for, if we can.
+
+        Toward a peer that can be told now, the ABORT goes out, THEN their gates reopen.
+        Otherwise, under "reopen", they reopen untold (unsafe); under "hold" they stay, and
+        a connection left idle by a timeout tries a new handshake at once (the ABORT is the
+        only way out short of a reply or the peer's declared death). ``told``: ids an ABORT
+        emitted by this same handshake named already.
+        """
+        held = [p for p in conn.sent.values() if p.state == PUB_HELD]
+        if not held:
+            return
+        if self._can_abort_now(conn):
+            skip = set(told)
+            ids = [i for p in held for i in p.abort_ids if i not in skip]
+            if ids:
+                reason = "lease expired while the handshake ran"
+                self._emit_abort(conn, list(dict.fromkeys(ids)), reason, out)
+            event, one, last = P_LOCAL_ABORT_SENT, G_LOCAL_ABORT_SENT, G_LOCAL_LAST_ABORT_SENT
+        elif self.config.v1_lease_expiry == "reopen":
+            self.stats.unsafe_reopens += len(held)
+            event, one, last = (
+                P_LOCAL_REOPEN_UNSAFE,
+                G_LOCAL_REOPEN_UNSAFE,
+                G_LOCAL_LAST_REOPEN_UNSAFE,
+            )
+        else:
+            self._retry_for_held_aborts(conn, now, out)
+            return
+        for pub in held:
+            effect, pub.state = LAYER_PUBLICATION.step(pub.state, event)
+            assert effect == EFFECT_RELEASE_HELD
+            self._end_pub(pub, out, one, last)
+
+    def _retry_for_held_aborts(self, conn: _Conn, now: float, out: list[Output]) -> None:
+        """Start a handshake for held ABORTs on an idle connection whose peer can take them."""
+        if conn.state == CONN_IDLE and CAP_ABORT in conn.caps:
+            effect, conn.state = CONNECTION_HANDSHAKE.step(conn.state, C_LOCAL_HELD_ABORTS)
+            assert effect == EFFECT_SEND_META
+            self.stats.handshake_retries += 1
+            self._start_handshake(conn, now, out)
 
     def _fail_queued(self, conn: _Conn, code: ErrorCode, message: str, out: list[Output]) -> None:
         """Release the readiness that never left: nothing can read it, the gates reopen."""
@@ -832,7 +1023,11 @@ class ProducerEndpoint:
 
     def _conn_publish(self, pub: _Pub, now: float, out: list[Output]) -> None:
         conn = pub.conn
-        effect, conn.state = CONNECTION_HANDSHAKE.step(conn.state, C_LOCAL_PUBLISH)
+        event = C_LOCAL_PUBLISH
+        if conn.state == CONN_REFUSED and now >= conn.retry_at:
+            event = C_LOCAL_PUBLISH_RETRY  # the backoff has passed: try a fresh MF_META
+            self.stats.handshake_retries += 1
+        effect, conn.state = CONNECTION_HANDSHAKE.step(conn.state, event)
         if effect == EFFECT_SEND:
             self._send(pub, now, out)
         elif effect == EFFECT_RELEASE:
@@ -840,7 +1035,7 @@ class ProducerEndpoint:
             self._fail_queued(
                 conn,
                 ErrorCode.INCOMPATIBLE,
-                f"Decode endpoint {conn.name} refused our handshake",
+                f"{conn.refusal}; next handshake attempt in {conn.retry_at - now:.1f} s",
                 out,
             )
         else:
@@ -948,6 +1143,10 @@ class ProducerEndpoint:
         pub = found
         effect, pub.state = LAYER_PUBLICATION.step(pub.state, event, RemoteProtocolError)
         self.stats.replies += 1
+        if effect == EFFECT_RELEASE_HELD:
+            # Held or orphaned: its requests ended already; the reply frees its storage.
+            self._end_pub(pub, out, G_RECV_REPLY, G_RECV_LAST_REPLY)
+            return
         if effect == EFFECT_REQUEUE:
             self._forget_seq(pub)
             c_effect, conn.state = CONNECTION_HANDSHAKE.step(conn.state, C_RECV_UNKNOWN_SESSION)
@@ -1033,35 +1232,58 @@ class ProducerEndpoint:
             req.outstanding -= 1
             self._maybe_drain(req, out)
 
-    def _expire(self, pub: _Pub, out: list[Output]) -> None:
-        """Lease ran out: ABORT (v2 peer), THEN reopen the gates, then fail the requests."""
-        self.stats.expired_leases += 1
-        effect, pub.state = LAYER_PUBLICATION.step(pub.state, P_TIMER_LEASE_EXPIRED)
+    def _expire(self, pub: _Pub, now: float, out: list[Output]) -> None:
+        """A lease ran out. Order of outputs: ABORT, THEN reopened gates, then finished
+        requests. Without an ABORT to send now the publication is held instead (or, under
+        v1_lease_expiry="reopen" toward a peer that can never be told, reopened untold)."""
         conn = pub.conn
-        if effect == EFFECT_EXPIRE_ABORT:
-            ids = [r.ext_id for r in pub.requests if not r.aborted_toward_peer]
-            if ids:
-                self._send_abort(conn, ids, f"lease of layer {pub.layer_idx} expired", out)
+        if pub.state == PUB_ORPHANED:
+            # The peer was declared dead before; now its lease has run out as well.
+            effect, pub.state = LAYER_PUBLICATION.step(pub.state, P_TIMER_LEASE_EXPIRED)
+            assert effect == EFFECT_RELEASE_HELD
+            self._mark_expired(pub)
+            self._end_pub(pub, out, G_LOCAL_PEER_DEAD, G_LOCAL_LAST_PEER_DEAD)
+            return
+        self.stats.expired_leases += 1
+        ids = [r.ext_id for r in pub.requests if not r.aborted_toward_peer]
+        if pub.seq is None or not ids or self._can_abort_now(conn):
+            # Never on the wire, every request told already, or the ABORT goes out now.
+            event = P_TIMER_LEASE_EXPIRED
+        elif CAP_ABORT in conn.caps or self.config.v1_lease_expiry == "hold":
+            event = P_TIMER_LEASE_EXPIRED_UNTOLD
         else:
-            # Never on the wire (waiting for a handshake): just take it out of the queue.
-            conn.queue.remove(pub)
-        self._fail_requests(
-            pub,
-            R_LOCAL_FAILURE,
-            ErrorCode.LEASE_EXPIRED,
-            f"layer {pub.layer_idx}: no reply from {conn.name} within {self.config.lease_ms} ms",
-            {},
+            event = P_TIMER_LEASE_EXPIRED_UNSAFE
+        effect, pub.state = LAYER_PUBLICATION.step(pub.state, event)
+        message = (
+            f"layer {pub.layer_idx}: no reply from {conn.name} within {self.config.lease_ms} ms"
         )
-        self._forget_seq(pub)
-        del self._pubs[pub.uid]
+        if effect == EFFECT_EXPIRE_UNSENT:
+            # Never sent (or refused unread): nothing can be reading it.
+            conn.queue.remove(pub)
+            self._fail_requests(pub, R_LOCAL_FAILURE, ErrorCode.LEASE_EXPIRED, message, {})
+            self._end_pub(pub, out, G_LOCAL_RELEASE, G_LOCAL_LAST_RELEASE)
+            return
+        if effect == EFFECT_EXPIRE_ABORT and ids:
+            self._emit_abort(conn, ids, f"lease of layer {pub.layer_idx} expired", out)
+        self._fail_requests(pub, R_LOCAL_FAILURE, ErrorCode.LEASE_EXPIRED, message, {})
+        self._mark_expired(pub)
+        if effect == EFFECT_EXPIRE_ABORT:
+            self._end_pub(pub, out, G_LOCAL_ABORT_SENT, G_LOCAL_LAST_ABORT_SENT)
+        elif effect == EFFECT_EXPIRE_UNTOLD:
+            self.stats.unsafe_reopens += 1
+            self._end_pub(pub, out, G_LOCAL_REOPEN_UNSAFE, G_LOCAL_LAST_REOPEN_UNSAFE)
+        else:
+            assert effect == EFFECT_HOLD
+            self.stats.held_leases += 1
+            pub.abort_ids = ids
+            self._drain_pub(pub, out)  # its requests end now; the gates wait
+            self._retry_for_held_aborts(conn, now, out)
+
+    def _mark_expired(self, pub: _Pub) -> None:
+        """Tell the publication's gates that its lease ran out (they stay closed)."""
         for s in pub.slots:
             gate = self._gates[s]
-            gate.outstanding -= 1
             _, gate.state = STORAGE_GATE.step(gate.state, G_TIMER_LEASE_EXPIRED)
-            if not gate.outstanding:
-                effect, gate.state = STORAGE_GATE.step(gate.state, G_LOCAL_ABORT_SENT)
-                out.append(GateOpened(s))
-        self._drain_pub(pub, out)
 
 
 def _error_code(value: int | None, default: ErrorCode) -> ErrorCode:

@@ -12,28 +12,38 @@ state lives in the tables below; :mod:`rd2h_protocol.producer` only resolves gua
   when a layer that lives in the storage is published and opens again only when every
   publication against it has ended: a terminal reply (done, failed, or done with isolated
   request failures), a local release (the readiness never left: handshake timeout or
-  refusal), or a lease that ran out AND whose abort was sent. ``expired`` is the state
-  between "a lease ran out, its ABORT is queued" and "reopened", so the order abort ->
-  reopen is part of the declaration. Nothing may be published into a slot that is not
-  open: the runtime waits on :meth:`ProducerEndpoint.can_overwrite` before it writes.
+  refusal, or its lease ran out before it was sent), or a lease that ran out AND whose
+  ABORT went out (or, for a peer that can never be told, whose peer the runtime declared
+  dead). ``expired`` is the state between "a lease ran out" and "reopened": every way out
+  of it that has no reply names the extra condition it needs, so the order
+  abort -> reopen is part of the declaration. Nothing may be published into a slot that
+  is not open: the runtime waits on :meth:`ProducerEndpoint.can_overwrite` before it
+  writes.
 * **layer publication**: queued (waiting for the connection's handshake) -> published ->
   replied | failed | expired. A reply counts once: replies correlate by ``seq`` (v2) or by
   layer (v1: the oldest publication of that layer on that connection). A reply that
   finds a publication already terminal changes nothing and is counted as duplicate (it
   had its reply) or stale (it ended without one); the table says which. UNKNOWN_SESSION
   (the Decode lost our handshake) re-queues the publication for ONE replay after a new
-  handshake; a second one fails it.
+  handshake; a second one fails it. A lease that runs out when no ABORT can go out at
+  once (a v1 peer, or a connection that is re-handshaking) leaves the publication
+  ``held``: its requests are failed and reported, its gates stay closed until a reply,
+  the ABORT, or the peer's declared death. A peer declared dead while the lease still runs
+  leaves it ``orphaned``: requests failed at once, gates closed until the lease ends.
 * **Prefill request**: registered -> sending (chunks) -> final_scheduled -> final_sent
   (its done id went out with the last cache-bearing layer) -> complete once every
   publication that named it has ended well. A failure (a failed read, an isolated failure,
-  an expired lease, a failed handshake) or an abort (ours or the Decode's) stops its
-  publishing at once; it then drains (waits for the publications already out) and ends
-  failed or aborted. A request is finished (``RequestFinished``) only when drained, so the
-  runtime never frees source blocks a Decode read may still touch.
+  an expired lease, a failed handshake, a lost connection) or an abort (ours or the
+  Decode's) stops its publishing at once; it then drains (waits for the publications
+  already out, or until they are held) and ends failed or aborted. A request is finished
+  (``RequestFinished``) only when drained; from then on the storage gates alone keep the
+  compute path from overwriting what a Decode may still read.
 * **connection handshake**: idle -> handshaking (MF_META sent; readiness queued for this
   connection only) -> ready_v1 | ready_v2 | refused. A handshake that times out fails the
   queued readiness locally and returns to idle, so its gates reopen. UNKNOWN_SESSION on a
-  v2 connection sends MF_META again.
+  v2 connection sends MF_META again. A refused connection is tried again (fresh MF_META)
+  by the first publication after a backoff that doubles per refusal. The runtime's
+  heartbeat declaring the endpoint dead returns it to idle from any state.
 
 Inputs follow the naming of :mod:`rd2h_protocol._machine`: ``LOCAL_*`` from our caller,
 ``RECV_*`` from the peer, ``SEND_*`` when we put something on the wire, ``TIMER_*`` when a
@@ -53,7 +63,7 @@ def _stay(
     sources: list[str],
     *,
     effect: str | None = None,
-    conditions: str | None = None,
+    conditions: str | list[str] | None = None,
 ) -> tuple[TransitionDecl, ...]:
     """Self-transitions: ``trigger`` keeps each of ``sources`` in its state."""
     out: list[TransitionDecl] = []
@@ -80,6 +90,11 @@ G_LOCAL_RELEASE: Final = "LOCAL_RELEASE"
 G_LOCAL_LAST_RELEASE: Final = "LOCAL_LAST_RELEASE"
 G_TIMER_LEASE_EXPIRED: Final = "TIMER_LEASE_EXPIRED"
 G_LOCAL_ABORT_SENT: Final = "LOCAL_ABORT_SENT"
+G_LOCAL_LAST_ABORT_SENT: Final = "LOCAL_LAST_ABORT_SENT"
+G_LOCAL_PEER_DEAD: Final = "LOCAL_PEER_DEAD"
+G_LOCAL_LAST_PEER_DEAD: Final = "LOCAL_LAST_PEER_DEAD"
+G_LOCAL_REOPEN_UNSAFE: Final = "LOCAL_REOPEN_UNSAFE"
+G_LOCAL_LAST_REOPEN_UNSAFE: Final = "LOCAL_LAST_REOPEN_UNSAFE"
 
 # Effects the endpoint performs (besides the state change itself).
 EFFECT_CLOSE: Final = "close"
@@ -119,17 +134,44 @@ STORAGE_GATE: Final = MachineSpec(
             "conditions": "last_outstanding",
             "effect": EFFECT_REOPEN,
         },
-        # The publication's ABORT is queued before this input: the gate only counts it.
+        # A lease ran out: the publication still holds the gate until it ends in one of
+        # the ways below (or by a reply). The count does not change here.
         {
             "trigger": G_TIMER_LEASE_EXPIRED,
             "source": [GATE_CLOSED, GATE_EXPIRED],
             "dest": GATE_EXPIRED,
         },
+        # ... its ABORT went out (emitted as a Send before this input).
+        *_stay(G_LOCAL_ABORT_SENT, [GATE_EXPIRED], conditions="others_outstanding"),
         {
-            "trigger": G_LOCAL_ABORT_SENT,
+            "trigger": G_LOCAL_LAST_ABORT_SENT,
             "source": GATE_EXPIRED,
             "dest": GATE_OPEN,
-            "conditions": "none_outstanding",
+            "conditions": "last_outstanding",
+            "effect": EFFECT_REOPEN,
+        },
+        # ... its peer can never be told (v1) and the runtime declared it dead: both the
+        # lease and the heartbeat have run out (the residual risk is in the endpoint docs).
+        *_stay(G_LOCAL_PEER_DEAD, [GATE_EXPIRED], conditions="others_outstanding"),
+        {
+            "trigger": G_LOCAL_LAST_PEER_DEAD,
+            "source": GATE_EXPIRED,
+            "dest": GATE_OPEN,
+            "conditions": "last_outstanding",
+            "effect": EFFECT_REOPEN,
+        },
+        # ... UNSAFE, only with v1_lease_expiry="reopen": nobody told the peer, which may
+        # still be reading. Kept for deployments that prefer v1's liveness to safety.
+        *_stay(
+            G_LOCAL_REOPEN_UNSAFE,
+            [GATE_EXPIRED],
+            conditions=["v1_lease_expiry_reopen", "others_outstanding"],
+        ),
+        {
+            "trigger": G_LOCAL_LAST_REOPEN_UNSAFE,
+            "source": GATE_EXPIRED,
+            "dest": GATE_OPEN,
+            "conditions": ["v1_lease_expiry_reopen", "last_outstanding"],
             "effect": EFFECT_REOPEN,
         },
     ),
@@ -145,6 +187,8 @@ PUB_REPLIED: Final = "replied"
 PUB_FAILED: Final = "failed"
 PUB_EXPIRED: Final = "expired"
 PUB_RELEASED: Final = "released"
+PUB_HELD: Final = "held"
+PUB_ORPHANED: Final = "orphaned"
 
 P_SEND_READINESS: Final = "SEND_READINESS"
 P_RECV_DONE: Final = "RECV_DONE"
@@ -152,6 +196,11 @@ P_RECV_FAILED: Final = "RECV_FAILED"
 P_RECV_UNKNOWN_SESSION: Final = "RECV_UNKNOWN_SESSION"
 P_LOCAL_RELEASE: Final = "LOCAL_RELEASE"
 P_TIMER_LEASE_EXPIRED: Final = "TIMER_LEASE_EXPIRED"
+P_TIMER_LEASE_EXPIRED_UNTOLD: Final = "TIMER_LEASE_EXPIRED_UNTOLD"
+P_TIMER_LEASE_EXPIRED_UNSAFE: Final = "TIMER_LEASE_EXPIRED_UNSAFE"
+P_LOCAL_ABORT_SENT: Final = "LOCAL_ABORT_SENT"
+P_LOCAL_REOPEN_UNSAFE: Final = "LOCAL_REOPEN_UNSAFE"
+P_LOCAL_CONNECTION_LOST: Final = "LOCAL_CONNECTION_LOST"
 
 EFFECT_SEND: Final = "send"
 EFFECT_DONE: Final = "done"
@@ -160,25 +209,35 @@ EFFECT_REQUEUE: Final = "requeue"
 EFFECT_RELEASE: Final = "release"
 EFFECT_EXPIRE_ABORT: Final = "expire_abort"
 EFFECT_EXPIRE_UNSENT: Final = "expire_unsent"
+EFFECT_EXPIRE_UNTOLD: Final = "expire_untold"
+EFFECT_HOLD: Final = "hold"
+EFFECT_ORPHAN: Final = "orphan"
+EFFECT_RELEASE_HELD: Final = "release_held"
 EFFECT_COUNT_DUPLICATE: Final = "count_duplicate"
 EFFECT_COUNT_STALE: Final = "count_stale"
 
 _PUB_SENT: Final = [PUB_PUBLISHED, PUB_REPLAYED]
 _PUB_WAITING: Final = [PUB_QUEUED, PUB_REQUEUED]
+# Ended for its requests, still holding its gates (see the module docstring).
+_PUB_HOLDING: Final = [PUB_HELD, PUB_ORPHANED]
 _PUB_REPLIES: Final = (P_RECV_DONE, P_RECV_FAILED, P_RECV_UNKNOWN_SESSION)
 
 LAYER_PUBLICATION: Final = MachineSpec(
     name="layer publication",
     doc="""
     One READ_READY_BATCH for one (layer, step, Decode endpoint). Ends exactly once:
-    replied, failed, expired (lease ran out; ABORT sent to a v2 peer) or released (never
-    left because the handshake failed). Late replies are counted, never applied twice.
+    replied, failed, expired (lease ran out and its ABORT went out, or its peer was
+    declared dead) or released (never left because the handshake failed). Held and
+    orphaned publications have failed their requests already but still hold their
+    storage. Late replies are counted, never applied twice.
     """,
     states=(
         PUB_QUEUED,
         PUB_PUBLISHED,
         PUB_REQUEUED,
         PUB_REPLAYED,
+        PUB_HELD,
+        PUB_ORPHANED,
         PUB_REPLIED,
         PUB_FAILED,
         PUB_EXPIRED,
@@ -231,7 +290,81 @@ LAYER_PUBLICATION: Final = MachineSpec(
             "trigger": P_TIMER_LEASE_EXPIRED,
             "source": _PUB_SENT,
             "dest": PUB_EXPIRED,
+            "conditions": "abort_goes_out_now",
             "effect": EFFECT_EXPIRE_ABORT,
+        },
+        # No ABORT can go out now: a peer that cannot be told (v1), or one whose ABORT waits
+        # for the handshake that is running. Requests fail now; the gates stay closed.
+        {
+            "trigger": P_TIMER_LEASE_EXPIRED_UNTOLD,
+            "source": _PUB_SENT,
+            "dest": PUB_HELD,
+            "conditions": "abort_cannot_go_out_now",
+            "effect": EFFECT_HOLD,
+        },
+        # UNSAFE (v1_lease_expiry="reopen"): v1's behaviour, reopen without telling the peer.
+        {
+            "trigger": P_TIMER_LEASE_EXPIRED_UNSAFE,
+            "source": _PUB_SENT,
+            "dest": PUB_EXPIRED,
+            "conditions": ["peer_cannot_be_told", "v1_lease_expiry_reopen"],
+            "effect": EFFECT_EXPIRE_UNTOLD,
+        },
+        {
+            "trigger": P_LOCAL_ABORT_SENT,
+            "source": PUB_HELD,
+            "dest": PUB_EXPIRED,
+            "conditions": "handshake_done_with_abort",
+            "effect": EFFECT_RELEASE_HELD,
+        },
+        {
+            "trigger": P_LOCAL_REOPEN_UNSAFE,
+            "source": PUB_HELD,
+            "dest": PUB_EXPIRED,
+            "conditions": ["handshake_done_without_abort", "v1_lease_expiry_reopen"],
+            "effect": EFFECT_RELEASE_HELD,
+        },
+        # The runtime's heartbeat declared the peer dead. Still within its lease: fail the
+        # requests now (ABORT best effort) but hold the gates until the lease ends too.
+        {
+            "trigger": P_LOCAL_CONNECTION_LOST,
+            "source": _PUB_SENT,
+            "dest": PUB_ORPHANED,
+            "effect": EFFECT_ORPHAN,
+        },
+        {
+            "trigger": P_LOCAL_CONNECTION_LOST,
+            "source": PUB_HELD,
+            "dest": PUB_EXPIRED,
+            "conditions": "lease_expired",
+            "effect": EFFECT_RELEASE_HELD,
+        },
+        *_stay(P_LOCAL_CONNECTION_LOST, [PUB_ORPHANED]),
+        {
+            "trigger": P_TIMER_LEASE_EXPIRED,
+            "source": PUB_ORPHANED,
+            "dest": PUB_EXPIRED,
+            "conditions": "peer_dead",
+            "effect": EFFECT_RELEASE_HELD,
+        },
+        # A reply ends a held or orphaned publication like any other: Decode is done with it.
+        {
+            "trigger": P_RECV_DONE,
+            "source": _PUB_HOLDING,
+            "dest": PUB_REPLIED,
+            "effect": EFFECT_RELEASE_HELD,
+        },
+        {
+            "trigger": P_RECV_FAILED,
+            "source": _PUB_HOLDING,
+            "dest": PUB_FAILED,
+            "effect": EFFECT_RELEASE_HELD,
+        },
+        {
+            "trigger": P_RECV_UNKNOWN_SESSION,
+            "source": _PUB_HOLDING,
+            "dest": PUB_FAILED,
+            "effect": EFFECT_RELEASE_HELD,
         },
         # Never sent (or refused unread): nothing can be reading it, no ABORT needed.
         {
@@ -398,11 +531,15 @@ C_RECV_ACK_V2: Final = "RECV_ACK_V2"
 C_RECV_ACK_REFUSED: Final = "RECV_ACK_REFUSED"
 C_TIMER_HANDSHAKE_EXPIRED: Final = "TIMER_HANDSHAKE_EXPIRED"
 C_RECV_UNKNOWN_SESSION: Final = "RECV_UNKNOWN_SESSION"
+C_LOCAL_PUBLISH_RETRY: Final = "LOCAL_PUBLISH_RETRY"
+C_LOCAL_HELD_ABORTS: Final = "LOCAL_HELD_ABORTS"
+C_LOCAL_CONNECTION_LOST: Final = "LOCAL_CONNECTION_LOST"
 
 EFFECT_SEND_META: Final = "send_meta"
 EFFECT_QUEUE: Final = "queue"
 EFFECT_FLUSH: Final = "flush"
 EFFECT_FAIL_QUEUED: Final = "fail_queued"
+EFFECT_RESET: Final = "reset"
 
 #: Connection states in which readiness goes out at once.
 CONN_READY: Final = frozenset({CONN_READY_V1, CONN_READY_V2})
@@ -413,7 +550,9 @@ CONNECTION_HANDSHAKE: Final = MachineSpec(
     One per Decode rank endpoint ("host:port"). MF_META goes out before the first
     readiness; readiness published meanwhile waits in this connection's queue only, so a
     slow or dead endpoint never stalls the others. A handshake that times out releases
-    its queue (the gates reopen) and the next publication starts a new one.
+    its queue (the gates reopen) and the next publication starts a new one. A refusal is
+    retried by the first publication after a doubling backoff; until then publications
+    fail at once. The runtime declaring the endpoint dead resets it to idle.
     """,
     states=(CONN_IDLE, CONN_HANDSHAKING, CONN_READY_V1, CONN_READY_V2, CONN_REFUSED),
     initial=CONN_IDLE,
@@ -475,6 +614,31 @@ CONNECTION_HANDSHAKE: Final = MachineSpec(
             "source": CONN_HANDSHAKING,
             "dest": CONN_HANDSHAKING,
             "effect": EFFECT_QUEUE,
+        },
+        # The refusal's backoff has passed: a new publication tries a fresh MF_META.
+        {
+            "trigger": C_LOCAL_PUBLISH_RETRY,
+            "source": CONN_REFUSED,
+            "dest": CONN_HANDSHAKING,
+            "conditions": "backoff_elapsed",
+            "effect": EFFECT_SEND_META,
+        },
+        # A handshake timed out while held publications wait for their ABORT to go out:
+        # try again at once, or their storage would stay closed until the peer is dead.
+        {
+            "trigger": C_LOCAL_HELD_ABORTS,
+            "source": CONN_IDLE,
+            "dest": CONN_HANDSHAKING,
+            "conditions": "held_aborts_waiting",
+            "effect": EFFECT_SEND_META,
+        },
+        # The runtime's heartbeat declared the endpoint dead: forget the handshake (the
+        # peer that comes back is a new process) and fail what waited for it.
+        {
+            "trigger": C_LOCAL_CONNECTION_LOST,
+            "source": [CONN_IDLE, CONN_HANDSHAKING, CONN_READY_V1, CONN_READY_V2, CONN_REFUSED],
+            "dest": CONN_IDLE,
+            "effect": EFFECT_RESET,
         },
     ),
 )

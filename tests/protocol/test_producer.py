@@ -24,6 +24,8 @@ from rd2h_protocol.errors import (
 from rd2h_protocol.layout import LayerLayout, decode_layer_metadata
 from rd2h_protocol.messages import (
     ALL_CAPABILITIES,
+    CAP_LEASE,
+    CAP_RECONNECT,
     CAP_SEQ,
     Abort,
     Ack,
@@ -164,6 +166,9 @@ def snapshot(ep: ProducerEndpoint) -> tuple[Any, ...]:
         ({"protocol": "v3"}, "protocol"),
         ({"handshake_timeout_s": 0.0}, "handshake_timeout_s"),
         ({"history": -1}, "history"),
+        ({"v1_lease_expiry": "ignore"}, "v1_lease_expiry"),
+        ({"refused_retry_s": 0.0}, "refused_retry_s"),
+        ({"refused_retry_s": 10.0, "refused_retry_max_s": 5.0}, "refused_retry_max_s"),
     ],
 )
 def test_config_refuses_bad_values(kw: dict[str, Any], match: str) -> None:
@@ -247,10 +252,12 @@ def test_v2_peer_features_follow_its_capabilities() -> None:
     ep = endpoint(1)
     (msg,) = one_request_ready(ep, ack_v2([CAP_SEQ, "future-cap"]))
     assert (msg.seq, msg.lease_ms) == (0, None)
-    # No "abort" capability: an expired lease cannot be told, the gate still reopens.
+    # No "abort" capability: an expired lease cannot be told, so it is held like a v1 one.
     out = ep.handle_timer(31.0)
     assert sends(out, Abort) == []
-    assert opened(out) == [0, 1]
+    assert opened(out) == []
+    assert finished(out)["r1"].code == ErrorCode.LEASE_EXPIRED
+    assert ep.publications()[0].state == "held"
 
 
 def test_slow_handshake_blocks_only_its_own_connection() -> None:
@@ -569,13 +576,16 @@ def test_lease_expiry_with_two_endpoints_aborts_both_before_reopening() -> None:
     }
 
 
-def test_lease_expiry_toward_v1_peer_reopens_without_abort() -> None:
-    ep = endpoint(1)
+def test_v1_lease_expiry_reopen_is_v1s_unsafe_behaviour() -> None:
+    ep = endpoint(1, v1_lease_expiry="reopen")
     one_request_ready(ep, ACK_V1_FRAME)
     out = ep.handle_timer(31.0)
     assert sends(out) == []
-    assert opened(out) == [0, 1]
+    assert opened(out) == [0, 1]  # nobody told the peer: it may still be reading
     assert finished(out)["r1"].code == ErrorCode.LEASE_EXPIRED
+    assert (ep.stats.unsafe_reopens, ep.stats.held_leases) == (1, 0)
+    assert ep.receive(CONN, encode(ReadDone(layer_idx=0)), 32.0) == []
+    assert ep.stats.stale_replies == 1
 
 
 def test_lease_expiry_of_readiness_that_never_left() -> None:
@@ -841,6 +851,305 @@ def test_abort_from_decode_after_a_failure_keeps_the_failure() -> None:
     assert finished(out)["r1"].code == ErrorCode.TRANSFER_FAILED
 
 
+# -- peers that cannot be told (S1 toward v1) -----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kw", "ack"),
+    [
+        ({}, ACK_V1_FRAME),  # a v1 peer
+        ({"protocol": "v1"}, ack_v2()),  # everyone is v1
+        ({}, ack_v2([CAP_SEQ, CAP_LEASE])),  # a v2 peer without the abort capability
+    ],
+    ids=["v1-peer", "forced-v1", "v2-without-abort"],
+)
+def test_v1_lease_expiry_hold_fails_at_once_but_keeps_the_gate_until_the_reply(
+    kw: dict[str, Any], ack: bytes
+) -> None:
+    ep = endpoint(1, **kw)
+    (m0,) = one_request_ready(ep, ack)
+    out = ep.handle_timer(31.0)
+    assert sends(out) == []
+    assert opened(out) == []
+    r1 = finished(out)["r1"]
+    assert (r1.ok, r1.code) == (False, ErrorCode.LEASE_EXPIRED)
+    ((_, view),) = ep.publications().items()
+    assert (view.state, view.ext_ids) == ("held", ())
+    assert ep.gates() == {0: ("expired", 1), 1: ("expired", 1)}
+    assert not ep.can_overwrite(0)
+    assert ep.requests() == {}
+    assert not ep.is_idle()
+    assert (ep.stats.held_leases, ep.stats.expired_leases) == (1, 1)
+    assert ep.get_timer() is None  # nothing but the peer (or its declared death) frees it
+
+    out = ep.receive(CONN, done(m0), 90.0)  # the peer finally replies
+    assert out == [GateOpened(0), GateOpened(1)]
+    assert ep.can_overwrite(0)
+    assert ep.is_idle()
+    assert ep.receive(CONN, done(m0), 91.0) == []
+    assert ep.stats.duplicate_replies == 1
+
+
+def test_held_publication_is_freed_by_a_failure_reply_too() -> None:
+    ep = endpoint(1)
+    (m0,) = one_request_ready(ep, ACK_V1_FRAME)
+    ep.handle_timer(31.0)
+    out = ep.receive(CONN, failed(m0, "read failed late"), 40.0)
+    assert opened(out) == [0, 1]
+    assert finished(out) == {}  # r1 was reported at the expiry already
+    assert ep.stats.read_failures == 0
+
+
+def test_held_publication_is_freed_by_unknown_session_without_a_replay() -> None:
+    ep = endpoint(1)
+    (m0,) = one_request_ready(ep, ack_v2([CAP_SEQ, CAP_LEASE, CAP_RECONNECT]))
+    ep.handle_timer(31.0)
+    out = ep.receive(CONN, failed(m0, "", ErrorCode.UNKNOWN_SESSION), 40.0)
+    assert out == [GateOpened(0), GateOpened(1)]  # it read nothing; no replay, no MF_META
+    assert ep.connections() == {CONN: "ready_v2"}
+
+
+def test_held_v1_gate_waits_for_every_endpoint_of_the_layer() -> None:
+    ep = endpoint(1)
+    ep.add_request("a", target(), 0.0)
+    ep.add_request("b", target(base_port=OTHER_PORT), 0.0)
+    ep.schedule_chunk("a", [1], [1], 0, 0, True)
+    ep.schedule_chunk("b", [2], [2], 0, 0, True)
+    ep.layer_written(0, 1.0)
+    (ma,) = readiness(ep.receive(CONN, ACK_V1_FRAME, 1.0))
+    (_mb,) = readiness(ep.receive(OTHER, ACK_V1_FRAME, 1.0))
+    ep.handle_timer(31.0)
+    assert ep.gates() == {0: ("expired", 2), 1: ("expired", 2)}
+    assert ep.connection_lost(OTHER, 40.0) == []  # OTHER's share ends, CONN's still holds
+    assert ep.gates() == {0: ("expired", 1), 1: ("expired", 1)}
+    assert opened(ep.receive(CONN, done(ma), 41.0)) == [0, 1]
+
+
+def test_lease_expiring_during_a_rehandshake_reopens_only_after_the_abort_is_emitted() -> None:
+    ep = endpoint(2)
+    m0, m1 = one_request_ready(ep)
+    ep.receive(CONN, failed(m1, "", ErrorCode.UNKNOWN_SESSION), 25.0)  # layer 1 is requeued
+    assert ep.connections() == {CONN: "handshaking"}
+    out = ep.handle_timer(31.0)  # m0 is on the wire, m1 waits for the handshake
+    assert sends(out) == []  # the ABORT cannot go out before the ACK
+    assert opened(out) == [2, 3]  # m1 never reached a Decode that could read it
+    assert finished(out)["r1"].code == ErrorCode.LEASE_EXPIRED
+    assert ep.gates()[0] == ("expired", 1)  # m0 may still be read: held
+    out = ep.receive(CONN, ack_v2(), 32.0)
+    assert [type(o).__name__ for o in out] == ["Send", "GateOpened", "GateOpened"]
+    (abort,) = sends(out, Abort)
+    assert abort.ext_ids == ["r1"]
+    assert ep.is_idle()
+    assert ep.receive(CONN, done(m0), 33.0) == []  # too late: counted
+    assert ep.stats.stale_replies == 1
+
+
+def test_rehandshake_sends_one_abort_for_an_aborted_request_whose_lease_ran_out() -> None:
+    ep = endpoint(2)
+    _m0, m1 = one_request_ready(ep)
+    ep.receive(CONN, failed(m1, "", ErrorCode.UNKNOWN_SESSION), 25.0)
+    ep.abort(["r1"], 26.0)  # queued behind the handshake: not sent yet
+    out = ep.handle_timer(31.0)
+    assert opened(out) == [2, 3]
+    assert ep.gates()[0] == ("expired", 1)  # a queued ABORT is not a sent one
+    out = ep.receive(CONN, ack_v2(), 32.0)
+    assert [m.ext_ids for m in sends(out, Abort)] == [["r1"]]  # once, not per reason
+    assert opened(out) == [0, 1]
+
+
+def test_held_abort_handshake_timeout_tries_again_at_once() -> None:
+    ep = endpoint(2)
+    _m0, m1 = one_request_ready(ep)
+    ep.receive(CONN, failed(m1, "", ErrorCode.UNKNOWN_SESSION), 25.0)  # handshake until 35
+    ep.handle_timer(31.0)  # m0 held
+    out = ep.handle_timer(35.0)
+    assert [type(m) for m in sends(out)] == [MfMeta]  # the held ABORT needs a session
+    assert opened(out) == []
+    assert ep.connections() == {CONN: "handshaking"}
+    assert (ep.stats.handshake_timeouts, ep.stats.handshake_retries) == (1, 1)
+    out = ep.receive(CONN, ack_v2(), 36.0)
+    assert [m.ext_ids for m in sends(out, Abort)] == [["r1"]]
+    assert opened(out) == [0, 1]
+
+
+def test_lease_expiring_on_an_idle_connection_starts_a_handshake_for_its_abort() -> None:
+    ep = endpoint(2)
+    _m0, m1 = one_request_ready(ep)
+    ep.receive(CONN, failed(m1, "", ErrorCode.UNKNOWN_SESSION), 2.0)
+    ep.handle_timer(12.0)  # the re-handshake timed out: idle, m1 released
+    assert ep.connections() == {CONN: "idle"}
+    out = ep.handle_timer(31.0)  # m0's lease
+    assert [type(m) for m in sends(out)] == [MfMeta]
+    assert ep.publications()[0].state == "held"
+    assert opened(out) == []
+
+
+@pytest.mark.parametrize(
+    "ack",
+    [
+        encode(Ack(protocol_version=2, error_code=13, error="compat")),
+        ACK_V1_FRAME,
+        ack_v2([CAP_SEQ, CAP_LEASE]),
+    ],
+    ids=["refused", "v1-ack", "no-abort-cap"],
+)
+@pytest.mark.parametrize("policy", ["hold", "reopen"])
+def test_rehandshake_that_cannot_carry_the_abort_follows_the_v1_policy(
+    ack: bytes, policy: str
+) -> None:
+    ep = endpoint(2, v1_lease_expiry=policy)
+    _m0, m1 = one_request_ready(ep)
+    ep.receive(CONN, failed(m1, "", ErrorCode.UNKNOWN_SESSION), 25.0)
+    ep.handle_timer(31.0)
+    out = ep.receive(CONN, ack, 32.0)
+    assert sends(out, Abort) == []
+    if policy == "reopen":
+        assert opened(out) == [0, 1]
+        assert ep.stats.unsafe_reopens == 1
+    else:
+        assert opened(out) == []
+        assert ep.publications()[0].state == "held"
+        assert opened(ep.connection_lost(CONN, 33.0)) == [0, 1]
+    assert ep.is_idle()
+
+
+def test_rehandshake_timeout_under_reopen_policy_reopens_untold() -> None:
+    ep = endpoint(2, v1_lease_expiry="reopen")
+    _m0, m1 = one_request_ready(ep)
+    ep.receive(CONN, failed(m1, "", ErrorCode.UNKNOWN_SESSION), 25.0)
+    ep.handle_timer(31.0)
+    out = ep.handle_timer(35.0)
+    assert sends(out) == []  # no retry under "reopen"
+    assert opened(out) == [0, 1]
+    assert ep.connections() == {CONN: "idle"}
+
+
+# -- refused connections ---------------------------------------------------------------------
+
+
+def publish_one(ep: ProducerEndpoint, ext_id: str, now: float) -> list[Output]:
+    """Register ``ext_id`` to the default engine and publish its one layer at ``now``."""
+    ep.add_request(ext_id, target(), now)
+    ep.schedule_chunk(ext_id, [1], [1], 0, 0, True)
+    out = ep.layer_written(0, now)
+    ep.end_step(now)
+    return out
+
+
+REFUSAL = encode(Ack(protocol_version=2, error_code=13, error="compat: 'a' != 'b'"))
+
+
+def test_refused_connection_is_retried_after_a_doubling_backoff() -> None:
+    ep = endpoint(1, refused_retry_s=30.0, refused_retry_max_s=45.0)
+    publish_one(ep, "r0", 0.0)
+    ep.receive(CONN, REFUSAL, 0.5)  # next attempt from 30.5
+    out = publish_one(ep, "r1", 30.0)
+    assert sends(out) == []
+    r1 = finished(out)["r1"]
+    assert (r1.code, ep.connections()) == (ErrorCode.INCOMPATIBLE, {CONN: "refused"})
+    assert "'a' != 'b'" in r1.message and "next handshake attempt in 0.5 s" in r1.message
+
+    out = publish_one(ep, "r2", 30.5)
+    assert [type(m) for m in sends(out)] == [MfMeta]  # fresh MF_META, same DEALER
+    assert not any(isinstance(o, Connect) for o in out)
+    assert finished(out) == {} and ep.stats.handshake_retries == 1
+    out = ep.receive(CONN, REFUSAL, 31.0)  # refused again: 60 s, capped at 45
+    assert finished(out)["r2"].code == ErrorCode.INCOMPATIBLE
+    assert finished(publish_one(ep, "r3", 75.9))["r3"].code == ErrorCode.INCOMPATIBLE
+    assert [type(m) for m in sends(publish_one(ep, "r4", 76.0))] == [MfMeta]
+    (m,) = readiness(ep.receive(CONN, ack_v2(), 76.5))  # accepted at last
+    assert finished(ep.receive(CONN, done(m), 77.0))["r4"].ok
+
+    # The count starts over after a success: the next refusal waits 30 s again.
+    ep.receive(CONN, failed(m, "", ErrorCode.UNKNOWN_SESSION), 78.0)  # stale: ignored
+    assert ep.connection_lost(CONN, 78.0) == []
+    publish_one(ep, "r5", 79.0)
+    ep.receive(CONN, REFUSAL, 79.0)
+    assert finished(publish_one(ep, "r6", 108.9))["r6"].code == ErrorCode.INCOMPATIBLE
+    assert [type(m) for m in sends(publish_one(ep, "r7", 109.0))] == [MfMeta]
+
+
+# -- connection lost -------------------------------------------------------------------------
+
+
+def test_connection_lost_v2_aborts_at_once_and_reopens_when_the_lease_ends() -> None:
+    ep = endpoint(2)
+    one_request_ready(ep)
+    out = ep.connection_lost(CONN, 5.0)
+    assert [type(o).__name__ for o in out] == ["Send", "RequestFinished"]
+    (abort,) = sends(out, Abort)
+    assert abort.ext_ids == ["r1"]
+    r1 = finished(out)["r1"]
+    assert (r1.ok, r1.code) == (False, ErrorCode.CONNECTION_LOST)
+    assert "declared dead" in r1.message
+    assert {v.state for v in ep.publications().values()} == {"orphaned"}
+    assert ep.connections() == {CONN: "idle"}
+    assert not ep.can_overwrite(0)  # a heartbeat does not prove no read is in flight
+    assert ep.connection_lost(CONN, 6.0) == []  # said twice: nothing more
+    assert ep.handle_timer(30.9) == []
+    out = ep.handle_timer(31.0)
+    assert out == [GateOpened(0), GateOpened(1), GateOpened(2), GateOpened(3)]
+    assert ep.is_idle()
+    assert (ep.stats.connections_lost, ep.stats.expired_leases) == (2, 0)
+
+
+def test_connection_lost_after_a_v1_lease_expired_reopens_at_once() -> None:
+    ep = endpoint(1)
+    one_request_ready(ep, ACK_V1_FRAME)
+    ep.handle_timer(31.0)
+    assert ep.connection_lost(CONN, 40.0) == [GateOpened(0), GateOpened(1)]
+    assert ep.is_idle()
+
+
+def test_connection_lost_v1_within_the_lease_waits_for_the_lease() -> None:
+    ep = endpoint(1)
+    (_m0,) = one_request_ready(ep, ACK_V1_FRAME)
+    out = ep.connection_lost(CONN, 5.0)
+    assert sends(out) == []  # a v1 peer cannot be told
+    assert finished(out)["r1"].code == ErrorCode.CONNECTION_LOST
+    assert opened(out) == []
+    assert opened(ep.handle_timer(31.0)) == [0, 1]
+
+
+def test_reply_after_connection_lost_frees_the_storage_early() -> None:
+    ep = endpoint(1)
+    (m0,) = one_request_ready(ep)
+    ep.connection_lost(CONN, 5.0)
+    assert ep.receive(CONN, done(m0), 6.0) == [GateOpened(0), GateOpened(1)]
+    assert ep.handle_timer(31.0) == []
+    assert ep.is_idle()
+
+
+def test_connection_lost_sends_no_second_abort_for_an_aborted_request() -> None:
+    ep = endpoint(1)
+    one_request_ready(ep)
+    assert len(sends(ep.abort(["r1"], 2.0), Abort)) == 1
+    out = ep.connection_lost(CONN, 3.0)
+    assert sends(out) == []
+    assert finished(out)["r1"].code == ErrorCode.ABORTED  # the first reason is kept
+
+
+def test_connection_lost_during_a_handshake_releases_its_queue_and_starts_over() -> None:
+    ep = endpoint(1)
+    publish_one(ep, "r1", 0.0)
+    out = ep.connection_lost(CONN, 1.0)
+    assert opened(out) == [0, 1]
+    assert finished(out)["r1"].code == ErrorCode.CONNECTION_LOST
+    assert ep.connections() == {CONN: "idle"}
+    assert ep.get_timer() is None  # the handshake deadline is gone with it
+    out = publish_one(ep, "r2", 2.0)
+    assert out[0] == Connect(CONN, HOST, BASE_PORT)  # the runtime may have replaced it
+    assert [type(m) for m in sends(out)] == [MfMeta]
+    (m,) = readiness(ep.receive(CONN, ack_v2(), 2.5))
+    assert finished(ep.receive(CONN, done(m), 3.0))["r2"].ok
+
+
+def test_connection_lost_for_a_name_never_opened_is_the_callers_mistake() -> None:
+    ep = endpoint(1)
+    with pytest.raises(LocalProtocolError, match="not a Decode endpoint"):
+        ep.connection_lost(CONN, 0.0)
+
+
 # -- requests and steps --------------------------------------------------------------------
 
 
@@ -881,7 +1190,7 @@ def test_final_chunk_without_new_blocks_sends_only_the_done_id() -> None:
     assert finished(ep.receive(CONN, done(msg), 2.0))["r1"].ok
 
 
-def test_step_that_misses_layers_fails_its_requests() -> None:
+def test_end_step_with_missing_layers_fails_its_requests_with_step_incomplete() -> None:
     ep = endpoint(3)
     ep.add_request("r1", target(), 0.0)
     ep.add_request("idle", target(), 0.0)
@@ -891,7 +1200,7 @@ def test_step_that_misses_layers_fails_its_requests() -> None:
     assert ep.end_step(1.5) == []  # failing, but layer 0 is still out
     assert ep.requests() == {"r1": "failing", "idle": "registered"}
     r1 = finished(ep.receive(CONN, done(m0), 2.0))["r1"]
-    assert (r1.ok, r1.code) == (False, ErrorCode.UNKNOWN)
+    assert (r1.ok, r1.code) == (False, ErrorCode.STEP_INCOMPLETE)
     assert "2 of 3 layers" in r1.message
 
 

@@ -137,8 +137,46 @@ def test_late_replies_are_counted_by_the_table() -> None:
 
 def test_gate_reopens_after_expiry_only_through_the_abort() -> None:
     assert STORAGE_GATE.step("closed", "TIMER_LEASE_EXPIRED") == ("none", "expired")
-    assert STORAGE_GATE.step("expired", "LOCAL_ABORT_SENT") == ("reopen", "open")
+    assert STORAGE_GATE.step("expired", "LOCAL_LAST_ABORT_SENT") == ("reopen", "open")
+    assert STORAGE_GATE.step("expired", "LOCAL_ABORT_SENT") == ("none", "expired")
     with pytest.raises(LocalProtocolError):
-        STORAGE_GATE.step("closed", "LOCAL_ABORT_SENT")
+        STORAGE_GATE.step("closed", "LOCAL_LAST_ABORT_SENT")
     with pytest.raises(LocalProtocolError):
         STORAGE_GATE.step("expired", "LOCAL_PUBLISH")  # no reuse before it reopened
+
+
+def test_gate_opens_without_a_reply_or_abort_only_after_the_lease_ran_out() -> None:
+    # S1: every reply-less, abort-less way out needs the lease to have expired first.
+    for event in ("LOCAL_LAST_PEER_DEAD", "LOCAL_LAST_REOPEN_UNSAFE", "LOCAL_LAST_ABORT_SENT"):
+        assert STORAGE_GATE.step("expired", event) == ("reopen", "open")
+        with pytest.raises(LocalProtocolError):
+            STORAGE_GATE.step("closed", event)
+
+
+def test_held_and_orphaned_publications_end_only_by_reply_abort_or_death_and_lease() -> None:
+    for state in ("held", "orphaned"):
+        for event, dest in (
+            ("RECV_DONE", "replied"),
+            ("RECV_FAILED", "failed"),
+            ("RECV_UNKNOWN_SESSION", "failed"),
+        ):
+            assert LAYER_PUBLICATION.step(state, event) == ("release_held", dest)
+    assert LAYER_PUBLICATION.step("held", "LOCAL_ABORT_SENT") == ("release_held", "expired")
+    assert LAYER_PUBLICATION.step("held", "LOCAL_CONNECTION_LOST") == ("release_held", "expired")
+    assert LAYER_PUBLICATION.step("orphaned", "TIMER_LEASE_EXPIRED") == ("release_held", "expired")
+    assert LAYER_PUBLICATION.step("orphaned", "LOCAL_CONNECTION_LOST") == ("none", "orphaned")
+    for event in ("TIMER_LEASE_EXPIRED", "SEND_READINESS"):
+        with pytest.raises(LocalProtocolError):
+            LAYER_PUBLICATION.step("held", event)  # its lease ran out already, never resent
+    with pytest.raises(LocalProtocolError):
+        LAYER_PUBLICATION.step("orphaned", "LOCAL_ABORT_SENT")  # needs its lease too
+
+
+def test_connection_handshake_retries_and_resets() -> None:
+    assert CONNECTION_HANDSHAKE.step("refused", "LOCAL_PUBLISH_RETRY") == (
+        "send_meta",
+        "handshaking",
+    )
+    assert CONNECTION_HANDSHAKE.step("idle", "LOCAL_HELD_ABORTS") == ("send_meta", "handshaking")
+    for state in CONNECTION_HANDSHAKE.states:
+        assert CONNECTION_HANDSHAKE.step(state, "LOCAL_CONNECTION_LOST") == ("reset", "idle")
