@@ -353,7 +353,12 @@ class ProducerStats:
 
 @dataclass(frozen=True, slots=True)
 class PublicationView:
-    """A live publication, for invariant checks."""
+    """A live publication, for invariant checks.
+
+    ``state`` is its layer-publication state. A "held" publication (lease run out, no
+    ABORT out yet) and an "orphaned" one (peer declared dead, lease still running) name
+    no requests any more (``ext_ids`` is empty) but still hold ``slots``.
+    """
 
     conn: str
     layer_idx: int
