@@ -15,8 +15,9 @@ INVARIANTS: Final[tuple[tuple[str, str, str], ...]] = (
         "safety",
         "A Prefill storage slot (main or indexer, identified by its base addresses) is open "
         "only if every readiness published against that storage has a terminal reply, or its "
-        "lease expired AND the abort was sent: no Decode read can start after Prefill reuses "
-        "the buffer.",
+        "lease expired AND either the abort was sent or the peer was declared dead: no Decode "
+        "read can start after Prefill reuses the buffer. A peer that cannot receive an abort "
+        "(v1) holds the gate until it replies or is declared dead.",
     ),
     (
         "S2",
@@ -33,8 +34,8 @@ INVARIANTS: Final[tuple[tuple[str, str, str], ...]] = (
     (
         "L1",
         "liveness",
-        "Once the network drains and time passes every lease, every gate is open and every "
-        "request is terminal, on both sides.",
+        "Once the network drains, time passes every lease and the runtime declares silent "
+        "peers dead, every gate is open and every request is terminal, on both sides.",
     ),
     (
         "B1",
