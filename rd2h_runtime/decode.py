@@ -73,7 +73,7 @@ from rd2h_runtime.control import (
 from rd2h_runtime.planning import Descriptors, build_descriptors
 from rd2h_runtime.transfer import TransferBackend
 
-__all__ = ["DecodeMetrics", "DecodeWorker", "Outcome", "destination_regions"]
+__all__ = ["DecodeMetrics", "DecodeWorker", "Outcome", "ReadRecord", "destination_regions"]
 
 log = logging.getLogger("rd2h_runtime.decode")
 
@@ -99,6 +99,21 @@ class Outcome:
     code: ErrorCode | None = None
     message: str = ""
     at: float = 0.0  # time.monotonic() when the endpoint reported it
+
+
+@dataclass(frozen=True, slots=True)
+class ReadRecord:
+    """One batched read as the read worker ran it (for per-layer metrics).
+
+    ``nbytes`` and ``descriptors`` are 0 when the read failed before it was planned;
+    ``error`` is None on success.
+    """
+
+    layer_name: str
+    nbytes: int
+    descriptors: int
+    seconds: float
+    error: TransferError | None
 
 
 @dataclass(slots=True)
@@ -141,8 +156,10 @@ class DecodeWorker:
         on_outcome: Callable[[Outcome], None] | None = None,
         own_backend: bool = True,
         planner: Callable[[ReadPlan], Descriptors] = build_descriptors,
+        on_read: Callable[[ReadRecord], None] | None = None,
     ) -> None:
         self.config = config
+        self._on_read = on_read
         self._planner = planner
         self._backend = backend
         self._own_backend = own_backend
@@ -156,6 +173,7 @@ class DecodeWorker:
         self._errors: list[BaseException] = []
         self._reads: queue.SimpleQueue[StartRead | None] = queue.SimpleQueue()
         self._pending_reads = 0
+        self._last_read: ReadRecord | None = None  # the read worker's own, no lock
         self.metrics = DecodeMetrics()
         self._closed = False
         self._reader = threading.Thread(
@@ -408,6 +426,7 @@ class DecodeWorker:
             if item is None:
                 return
             error = self._read(item)
+            self._observe_read()
             reported: list[Outcome] = []
             try:
                 with self._lock:
@@ -426,6 +445,7 @@ class DecodeWorker:
     def _read(self, item: StartRead) -> TransferError | None:
         """Run one plan; the error to report, or None on success. Never raises."""
         plan = item.plan
+        self._last_read = None
         now = time.monotonic()
         if item.start_by is not None and now > item.start_by:
             self.metrics.reads_not_started += 1
@@ -435,8 +455,9 @@ class DecodeWorker:
             )
             late.code = ErrorCode.LEASE_EXPIRED
             return late
+        nbytes = ndesc = 0
+        start = time.monotonic()
         try:
-            start = time.monotonic()
             try:
                 desc = self._planner(plan)
             finally:
@@ -454,17 +475,33 @@ class DecodeWorker:
                 self.metrics.read_s += time.monotonic() - start
         except TransferError as exc:
             self.metrics.read_failures += 1
-            return exc
+            error: TransferError | None = exc
         except ProtocolError as exc:
             # A plan the planner refuses (addresses past 64 bits): fail the read, not the
             # thread; retrying it cannot help.
             self.metrics.read_failures += 1
-            return TransferError(f"read {plan.read_id} could not be planned: {exc.message}")
+            error = TransferError(f"read {plan.read_id} could not be planned: {exc.message}")
         except Exception as exc:
             self.metrics.read_failures += 1
             log.exception("read %d raised", plan.read_id)
-            return TransferError(f"read {plan.read_id} raised {exc!r}")
-        self.metrics.reads += 1
-        self.metrics.read_bytes += desc.total_bytes
-        self.metrics.descriptors += len(desc)
-        return None
+            error = TransferError(f"read {plan.read_id} raised {exc!r}")
+        else:
+            error = None
+            nbytes, ndesc = desc.total_bytes, len(desc)
+            self.metrics.reads += 1
+            self.metrics.read_bytes += nbytes
+            self.metrics.descriptors += ndesc
+        self._last_read = ReadRecord(
+            plan.layer_name, nbytes, ndesc, time.monotonic() - start, error
+        )
+        return error
+
+    def _observe_read(self) -> None:
+        """Hand the read just run to ``on_read`` (read worker thread, no lock held)."""
+        record, self._last_read = self._last_read, None
+        if record is None or self._on_read is None:
+            return
+        try:
+            self._on_read(record)
+        except Exception:
+            log.exception("on_read callback raised")
