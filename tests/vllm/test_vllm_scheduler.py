@@ -1,8 +1,10 @@
 """rd2h_vllm.scheduler driven by a REAL vLLM Scheduler (both roles), with real rendezvous posts.
 
-The connector is the scheduler-only stand-in of ``rd2h_vllm_probes`` (rd2h's real
-SchedulerSide behind vLLM's KV Connector V1 entry points); worker outputs are built by
-hand as vLLM's model runner would report them.
+The connector is the real ``SfaRemoteD2HConnector`` (selected through
+``kv_connector_module_path``, as a deployment may), whose scheduler half is
+:class:`rd2h_vllm.scheduler.SchedulerSide`; worker outputs are built by hand as vLLM's
+model runner would report them (tests/vllm/test_vllm_connector_e2e.py drives the real
+worker half).
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import pytest
-import rd2h_vllm_probes
 import torch
 from conftest import VllmConfigFactory
 from vllm.sampling_params import SamplingParams
@@ -38,26 +39,38 @@ from rd2h_protocol.rendezvous import (
     decode_rendezvous,
     remote_prefill_params,
 )
-from rd2h_vllm.config import CONNECTOR_NAME, MetaserverOptions
-from rd2h_vllm.metaserver import RendezvousPoster
-from rd2h_vllm.scheduler import CacheGroups, LoadSpec, Rd2hConnectorMetadata, SendSpec
+from rd2h_vllm.config import CONNECTOR_MODULE, CONNECTOR_NAME
+from rd2h_vllm.connector import SfaRemoteD2HConnector
+from rd2h_vllm.scheduler import (
+    CacheGroups,
+    LoadSpec,
+    Rd2hConnectorMetadata,
+    SchedulerSide,
+    SendSpec,
+)
 
 BLOCK = 16
 NUM_BLOCKS = 64
 LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
-FAST = MetaserverOptions(
-    timeout_s=2.0, max_attempts=2, backoff_s=0.01, backoff_max_s=0.01, deadline_s=5.0
-)
+#: A quick metaserver client: failures show up within a test's patience.
+FAST: dict[str, Any] = {
+    "metaserver_timeout_s": 2.0,
+    "metaserver_max_attempts": 2,
+    "metaserver_backoff_s": 0.01,
+    "metaserver_backoff_max_s": 0.01,
+    "metaserver_deadline_s": 5.0,
+    "advertise_host": "127.0.0.1",
+}
 KV_PORT = 20050
 
 
 def kv_transfer(role: str, **extra: Any) -> dict[str, Any]:
     return {
         "kv_connector": CONNECTOR_NAME,
-        "kv_connector_module_path": rd2h_vllm_probes.PROBE_MODULE,
+        "kv_connector_module_path": CONNECTOR_MODULE,
         "kv_role": role,
         "kv_port": KV_PORT,
-        "kv_connector_extra_config": {"transfer_backend": "nixl", **extra},
+        "kv_connector_extra_config": {"transfer_backend": "nixl", **FAST, **extra},
     }
 
 
@@ -67,21 +80,16 @@ def block_hasher() -> Callable[[Request], Any]:
     return get_request_block_hasher(BLOCK, sha256)
 
 
-@pytest.fixture
-def poster() -> Iterator[RendezvousPoster]:
-    with RendezvousPoster(FAST) as p:
-        yield p
-
-
 SchedulerFactory = Callable[..., Scheduler]
 
 
 @pytest.fixture
 def make_scheduler(make_vllm_config: VllmConfigFactory) -> Iterator[SchedulerFactory]:
+    made: list[Scheduler] = []
+
     def make(
         role: str,
         *,
-        poster: RendezvousPoster | None = None,
         tp: int = 1,
         max_num_batched_tokens: int = 1024,
         failure_policy: str = "fail",
@@ -91,7 +99,6 @@ def make_scheduler(make_vllm_config: VllmConfigFactory) -> Iterator[SchedulerFac
             transfer, tp=tp, attach_after=False, max_num_batched_tokens=max_num_batched_tokens
         )
         config.cache_config.num_gpu_blocks = NUM_BLOCKS
-        rd2h_vllm_probes.SfaRemoteD2HConnector.poster = poster
         kv_cache_config = KVCacheConfig(
             num_blocks=NUM_BLOCKS,
             kv_cache_tensors=[],
@@ -104,16 +111,19 @@ def make_scheduler(make_vllm_config: VllmConfigFactory) -> Iterator[SchedulerFac
                 )
             ],
         )
-        return Scheduler(
+        scheduler = Scheduler(
             config,
             kv_cache_config,
             StructuredOutputManager(config),
             block_size=BLOCK,
             log_stats=True,
         )
+        made.append(scheduler)
+        return scheduler
 
     yield make
-    rd2h_vllm_probes.SfaRemoteD2HConnector.poster = None
+    for scheduler in made:
+        scheduler.shutdown()  # closes the connector's metaserver client
 
 
 def request(
@@ -181,10 +191,11 @@ def wait_for(predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
         time.sleep(0.01)
 
 
-def side(scheduler: Scheduler) -> Any:
+def side(scheduler: Scheduler) -> SchedulerSide:
     connector = scheduler.connector
-    assert isinstance(connector, rd2h_vllm_probes.SfaRemoteD2HConnector)
-    return connector.side
+    assert isinstance(connector, SfaRemoteD2HConnector)
+    assert connector.scheduler is not None
+    return connector.scheduler
 
 
 # -- Decode ------------------------------------------------------------------------------
@@ -193,10 +204,9 @@ def side(scheduler: Scheduler) -> Any:
 def test_decode_reports_the_prompt_as_async_and_posts_after_allocation(
     make_scheduler: SchedulerFactory,
     server: MetaServer,
-    poster: RendezvousPoster,
     block_hasher: Callable[[Request], Any],
 ) -> None:
-    scheduler = make_scheduler("kv_consumer", poster=poster)
+    scheduler = make_scheduler("kv_consumer")
     req = request(
         "cmpl-abc-0-0123abcd", list(range(40)), remote_prefill_params(server.url), block_hasher
     )
@@ -246,10 +256,9 @@ def test_decode_reports_the_prompt_as_async_and_posts_after_allocation(
 def test_decode_local_prefix_hit_is_posted_as_cached_tokens(
     make_scheduler: SchedulerFactory,
     server: MetaServer,
-    poster: RendezvousPoster,
     block_hasher: Callable[[Request], Any],
 ) -> None:
-    scheduler = make_scheduler("kv_consumer", poster=poster)
+    scheduler = make_scheduler("kv_consumer")
     first = request(
         "cmpl-a-0-00000001", list(range(40)), remote_prefill_params(server.url), block_hasher
     )
@@ -276,11 +285,10 @@ def test_decode_local_prefix_hit_is_posted_as_cached_tokens(
 def test_decode_refused_rendezvous_becomes_a_load_failure(
     make_scheduler: SchedulerFactory,
     server: MetaServer,
-    poster: RendezvousPoster,
     block_hasher: Callable[[Request], Any],
 ) -> None:
     server.script.replies = [404]
-    scheduler = make_scheduler("kv_consumer", poster=poster, failure_policy="recompute")
+    scheduler = make_scheduler("kv_consumer", failure_policy="recompute")
     req = request(
         "cmpl-x-0-0000000f", list(range(40)), remote_prefill_params(server.url), block_hasher
     )
@@ -312,10 +320,9 @@ def test_decode_refused_rendezvous_becomes_a_load_failure(
 def test_decode_abort_while_loading_holds_blocks_until_the_workers_are_done(
     make_scheduler: SchedulerFactory,
     server: MetaServer,
-    poster: RendezvousPoster,
     block_hasher: Callable[[Request], Any],
 ) -> None:
-    scheduler = make_scheduler("kv_consumer", poster=poster)
+    scheduler = make_scheduler("kv_consumer")
     req = request(
         "cmpl-ab-0-00000003", list(range(40)), remote_prefill_params(server.url), block_hasher
     )
@@ -336,10 +343,9 @@ def test_decode_abort_while_loading_holds_blocks_until_the_workers_are_done(
 
 def test_decode_without_a_metaserver_computes_locally(
     make_scheduler: SchedulerFactory,
-    poster: RendezvousPoster,
     block_hasher: Callable[[Request], Any],
 ) -> None:
-    scheduler = make_scheduler("kv_consumer", poster=poster)
+    scheduler = make_scheduler("kv_consumer")
     params = {"do_remote_decode": False, "do_remote_prefill": True}
     req = request("cmpl-n-0-00000004", list(range(40)), params, block_hasher)
     scheduler.add_request(req)

@@ -1,0 +1,841 @@
+"""The connector's worker halves: Prefill publishes per layer, Decode pulls and completes.
+
+Theory of operation
+-------------------
+vLLM 0.32's model runner drives a worker-side connector once per engine step, in this
+order (vllm/v1/worker/kv_connector_model_runner_mixin.py)::
+
+    bind_connector_metadata(meta)          # before the forward pass
+    per attention layer: wait_for_layer_load(name), attention writes the KV,
+                         save_kv_layer(name, ...)   (vllm-ascend: on_kv_cache_written)
+    start_load_kv(ctx)                     # after the forward (async loads)
+    wait_for_save()
+    get_transfer_results(finished_req_ids) / get_finished(...)
+    get_block_ids_with_load_errors(), get_kv_connector_stats()
+    clear_connector_metadata()
+
+Steps without scheduled tokens run the same sequence without the layer calls.
+
+:class:`PrefillSide` (kv_producer) binds one :class:`~rd2h_runtime.prefill.PrefillWorker`.
+Each step's :class:`~rd2h_vllm.scheduler.SendSpec` becomes a chunk
+(:func:`~rd2h_protocol.topology.chunk_block_range` per KV-cache group) scheduled at
+``bind`` time, i.e. before the first layer; ``wait_for_layer_load`` is the slot-reuse
+wait (the storage a layer is about to overwrite must no longer be read by any Decode);
+``save_kv_layer`` / ``on_kv_cache_written`` publish the layer once its KV is in memory (a
+device event recorded on the compute stream; on CPU it is done at once; otherwise a
+publisher thread waits for it, keeping every call in order); ``wait_for_save`` ends the
+step. A request is reported in ``finished_sending`` once vLLM finished it AND no Decode
+read of it can happen any more (the endpoint's ``RequestFinished``, or it never
+reached the endpoint). A request vLLM finishes before its final chunk was scheduled
+(abort) is aborted toward Decode. Prefill never raises for a failed read of a request
+(``read_failure_policy="isolate"``); the failure is counted in the metrics.
+
+:class:`DecodeSide` (kv_consumer) binds one :class:`~rd2h_runtime.decode.DecodeWorker`
+whose destinations come from a :class:`~rd2h_vllm.destinations.DestinationProvider`.
+Each :class:`~rd2h_vllm.scheduler.LoadSpec` registers the request's destination blocks;
+a :class:`~rd2h_vllm.scheduler.LoadFailure` and a request vLLM finished while loading
+(``finished_req_ids``) abort it. Every step the rank's newly terminal requests are
+gathered over the TP CPU group and fed to
+:class:`~rd2h_protocol.completion.CrossRankCompletion` (every rank decides the same, with
+rank 0's clock); a request finished on every rank is released in the endpoint and
+reported in ``finished_recving`` once no read of it is in flight on this rank (vLLM may
+hand its blocks out again right after). A request that failed on any rank is also listed
+in ``failed_recving`` and, when the model has one KV-cache group, its main and indexer
+blocks in ``get_block_ids_with_load_errors`` (vLLM 0.32 refuses block-level errors with
+several groups: there the request-level ``failed_recving`` is the report).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Final, Protocol, TypeVar
+
+import torch
+
+from rd2h_protocol.completion import CrossRankCompletion, RankReport
+from rd2h_protocol.consumer import ConsumerConfig
+from rd2h_protocol.errors import (
+    ConfigError,
+    ErrorCode,
+    LocalProtocolError,
+    ProtocolError,
+    TransferError,
+)
+from rd2h_protocol.layout import LayerLayout
+from rd2h_protocol.producer import DecodeTarget, ProducerConfig, RequestFinished
+from rd2h_protocol.topology import chunk_block_range
+from rd2h_runtime.control import ControlOptions
+from rd2h_runtime.decode import DecodeWorker, Outcome, ReadRecord
+from rd2h_runtime.prefill import PrefillWorker
+from rd2h_runtime.transfer import TransferBackend
+from rd2h_vllm.config import Rd2hConfig
+from rd2h_vllm.destinations import (
+    DestinationProvider,
+    DeviceEvents,
+    LayerSpec,
+    ScatterEvent,
+    layer_number,
+    match_indexer_caches,
+    tensor_destination,
+)
+from rd2h_vllm.metrics import CounterDelta, Rd2hKVConnectorStats
+from rd2h_vllm.scheduler import CacheGroups, LoadSpec, Rd2hConnectorMetadata, SendSpec
+
+if TYPE_CHECKING:
+    from vllm.distributed.parallel_state import GroupCoordinator
+
+logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+
+#: Version of how we derive layouts from vLLM's KV caches (part of the compat string).
+LAYOUT_VERSION: Final = 1
+
+
+# -- the TP group ----------------------------------------------------------------------------
+
+
+class TpGroup(Protocol):
+    """This worker's tensor-parallel rank and a gather over the TP CPU group."""
+
+    @property
+    def rank(self) -> int:
+        """This worker's TP rank."""
+
+    @property
+    def size(self) -> int:
+        """The TP world size."""
+
+    def all_gather(self, obj: _T) -> list[_T]:
+        """Every rank's ``obj``, indexed by rank (a collective: every rank calls it)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SingleRank:
+    """TP size 1, or one rank of a TP group simulated in one process (``rank`` given,
+    ``gather`` supplied by the test)."""
+
+    rank: int = 0
+    size: int = 1
+
+    def all_gather(self, obj: _T) -> list[_T]:
+        if self.size != 1:
+            raise ConfigError(f"SingleRank cannot gather over {self.size} ranks")
+        return [obj]
+
+
+class VllmTpGroup:
+    """vLLM's TP group: ``all_gather_object`` over its CPU (gloo) process group."""
+
+    def __init__(self, group: GroupCoordinator) -> None:
+        self._group = group
+
+    @property
+    def rank(self) -> int:
+        return int(self._group.rank_in_group)
+
+    @property
+    def size(self) -> int:
+        return int(self._group.world_size)
+
+    def all_gather(self, obj: _T) -> list[_T]:
+        if self.size == 1:
+            return [obj]
+        out: list[Any] = [None] * self.size
+        torch.distributed.all_gather_object(out, obj, group=self._group.cpu_group)
+        return out
+
+
+def default_tp_group(config: Rd2hConfig) -> TpGroup:
+    """vLLM's TP group when it is initialised, else a single rank (TP must be 1)."""
+    from vllm.distributed import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():  # type: ignore[no-untyped-call]
+        group = VllmTpGroup(parallel_state.get_tp_group())
+        if group.size != config.tp_size:
+            raise ConfigError(
+                f"vLLM's TP group has {group.size} ranks but tensor_parallel_size is "
+                f"{config.tp_size}"
+            )
+        return group
+    if config.tp_size != 1:
+        raise ConfigError(
+            f"tensor_parallel_size is {config.tp_size} but vLLM's TP group is not "
+            "initialised: the worker side needs it to learn its rank"
+        )
+    return SingleRank()
+
+
+# -- KV caches -> layouts ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class LayerTensors:
+    """One main (cache-bearing) layer's tensors, each ``[num_blocks, ...]`` contiguous."""
+
+    name: str
+    k: torch.Tensor
+    v: torch.Tensor
+    indexer: torch.Tensor | None = None
+    scale: torch.Tensor | None = None
+
+
+def _main_pair(name: str, value: Any, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of one vLLM KV-cache entry: a ``(K, V)`` pair (vllm-ascend) or one tensor
+    whose first dimension holds K and V (``[2, num_blocks, ...]``)."""
+    if isinstance(value, list | tuple):
+        if len(value) != 2 or not all(isinstance(t, torch.Tensor) for t in value):
+            raise ConfigError(
+                f"KV cache {name!r}: expected a (K, V) pair of tensors, got {len(value)} items"
+            )
+        return value[0], value[1]
+    if not isinstance(value, torch.Tensor):
+        raise ConfigError(f"KV cache {name!r}: expected a tensor, got {type(value).__name__}")
+    shape = tuple(value.shape)
+    if len(shape) >= 2 and shape[0] == 2 and shape[1] == num_blocks:
+        return value[0], value[1]
+    if len(shape) >= 2 and shape[0] == num_blocks and shape[1] == 2:
+        raise ConfigError(
+            f"KV cache {name!r} interleaves K and V per block (shape {shape}); RD2H needs K "
+            "and V as separate block arrays ([2, num_blocks, ...] or a (K, V) pair): pick "
+            "an attention backend with that layout"
+        )
+    raise ConfigError(
+        f"KV cache {name!r} has shape {shape}: expected [2, {num_blocks}, ...] or a (K, V) "
+        "pair (single-tensor MLA caches are not supported)"
+    )
+
+
+def split_kv_caches(kv_caches: Mapping[str, Any], num_blocks: int) -> list[LayerTensors]:
+    """vLLM's ``kv_caches`` as main layers in model order (``layers.N``, then name).
+
+    Entries whose name contains "indexer" are the sparse-attention indexer (and optional
+    LIC8 scale) of the main layer with the same ``layers.N``.
+    """
+    mains = [name for name in kv_caches if "indexer" not in name]
+    if not mains:
+        raise ConfigError("register_kv_caches got no main (non-indexer) KV cache")
+    mains.sort(key=lambda n: (layer_number(n) if layer_number(n) is not None else -1, n))
+    indexers = match_indexer_caches(kv_caches, mains)
+    out: list[LayerTensors] = []
+    for name in mains:
+        k, v = _main_pair(name, kv_caches[name], num_blocks)
+        idx, scale = indexers.get(name, (None, None))
+        out.append(LayerTensors(name, k, v, idx, scale))
+    return out
+
+
+def compat_string(layers: Sequence[LayerTensors], groups: CacheGroups, model_type: str = "") -> str:
+    """What both sides must agree on: layout version, model, dtypes, block sizes, layers."""
+    first = layers[0]
+    dtypes = [str(first.k.dtype)]
+    if first.indexer is not None:
+        dtypes.append(str(first.indexer.dtype))
+    return (
+        f"rd2h-layout-{LAYOUT_VERSION};model={model_type};dtypes={','.join(dtypes)};"
+        f"block_sizes={','.join(map(str, groups.block_sizes))};layers={len(layers)}"
+    )
+
+
+def prefill_layouts(
+    layers: Sequence[LayerTensors], groups: CacheGroups, num_blocks: int
+) -> list[tuple[str, LayerLayout]]:
+    """The MF_META layouts of Prefill's KV caches (base addresses, bytes per block)."""
+    idx_group = groups.indexer if groups.indexer is not None else groups.main
+    out: list[tuple[str, LayerLayout]] = []
+    for layer in layers:
+        parts = [("K", layer.k, groups.main), ("V", layer.v, groups.main)]
+        if layer.indexer is not None:
+            parts.append(("indexer", layer.indexer, idx_group))
+            if layer.scale is not None:
+                parts.append(("scale", layer.scale, idx_group))
+        dests = [
+            (tensor_destination(t, num_blocks, f"{what} of {layer.name}"), group)
+            for what, t, group in parts
+        ]
+        out.append(
+            (
+                layer.name,
+                LayerLayout(
+                    base_addrs=[d.base for d, _ in dests],
+                    block_len=[d.block_bytes for d, _ in dests],
+                    tensor_group_idx=[g for _, g in dests],
+                    num_blocks=num_blocks,
+                ),
+            )
+        )
+    return out
+
+
+def host_pool_specs(layers: Sequence[LayerTensors], num_blocks: int) -> list[LayerSpec]:
+    """Bytes per block of each main layer's components, for a Decode host pool."""
+
+    def per_block(t: torch.Tensor | None) -> int | None:
+        if t is None:
+            return None
+        return tensor_destination(t, num_blocks, "KV cache").block_bytes
+
+    specs: list[LayerSpec] = []
+    for layer in layers:
+        k, v = per_block(layer.k), per_block(layer.v)
+        assert k is not None and v is not None
+        specs.append(LayerSpec(layer.name, k, v, per_block(layer.indexer), per_block(layer.scale)))
+    return specs
+
+
+def _with_indexers(index: dict[str, int], by_number: Mapping[int | None, int]) -> dict[str, int]:
+    # Indexer layers are looked up lazily by number (their names are not known here).
+    index = dict(index)
+    index.update({f"#layers.{n}": i for n, i in by_number.items() if n is not None})
+    return index
+
+
+# -- Prefill ---------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Send:
+    """One Prefill request as the worker side tracks it."""
+
+    req_id: str
+    ext_id: str
+    registered: bool  # known to the endpoint
+    final_scheduled: bool = False
+    vllm_finished: bool = False
+    outcome: RequestFinished | None = None
+
+
+class _Publisher:
+    """Runs the compute path's calls into the Prefill worker in order.
+
+    A call runs inline when nothing is queued; a layer whose device event is not done yet
+    is queued behind it on a thread that waits for the event, and every later call queues
+    behind it too, so the endpoint sees chunks, layers and step ends in program order.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._pending = 0
+        self._queue: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self.errors: list[BaseException] = []
+
+    def run(self, fn: Callable[[], None], event: ScatterEvent | None = None) -> None:
+        with self._cond:
+            inline = self._pending == 0 and (event is None or event.query())
+            if not inline:
+                self._pending += 1
+        if inline:
+            fn()
+            return
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="rd2h-publisher", daemon=True)
+            self._thread.start()
+
+        def job() -> None:
+            if event is not None:
+                event.synchronize()
+            fn()
+
+        self._queue.put(job)
+
+    def drain(self, timeout: float) -> bool:
+        """Wait until every queued call ran; False on timeout."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while self._pending:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
+
+    def _loop(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            try:
+                job()
+            except Exception as exc:  # never kill the thread that orders publications
+                logger.exception("RD2H publisher: a queued call raised")
+                self.errors.append(exc)
+            finally:
+                with self._cond:
+                    self._pending -= 1
+                    self._cond.notify_all()
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join(10.0)
+
+
+class PrefillSide:
+    """The Prefill (kv_producer) worker half (see the module docstring)."""
+
+    def __init__(
+        self,
+        config: Rd2hConfig,
+        groups: CacheGroups,
+        layers: Sequence[LayerTensors],
+        num_blocks: int,
+        *,
+        tp: TpGroup,
+        backend: TransferBackend,
+        events: DeviceEvents,
+        compat: str,
+        control_options: ControlOptions | None = None,
+    ) -> None:
+        self.config = config
+        self.groups = groups
+        self._events = events
+        self._layers = [layer.name for layer in layers]
+        self._index = _with_indexers(
+            {name: i for i, name in enumerate(self._layers)},
+            {layer_number(name): i for i, name in enumerate(self._layers)},
+        )
+        self.stats = Rd2hKVConnectorStats()
+        self._counters = CounterDelta()
+        self._lock = threading.Lock()
+        self._finished: list[RequestFinished] = []  # from the worker's threads
+        self._sends: dict[str, _Send] = {}
+        self._by_ext: dict[str, str] = {}
+        self._step_active = False
+        self._published: set[int] = set()
+        self._top = -1
+        self._gate_timeout_s = 2 * config.lease_ms / 1000.0 + 10.0
+        self._publisher = _Publisher()
+        self.worker = PrefillWorker(
+            ProducerConfig(
+                p_rank=tp.rank,
+                p_tp=config.tp_size,
+                session="",
+                layers=prefill_layouts(layers, groups, num_blocks),
+                lease_ms=config.lease_ms,
+                read_failure_policy=config.read_failure_policy,
+                protocol=config.protocol,
+                compat=compat,
+                handshake_timeout_s=config.handshake_timeout_s,
+            ),
+            backend,
+            control_options=control_options,
+            on_finished=self._on_finished,
+            name=f"rd2h-p{tp.rank}",
+        )
+
+    # -- introspection ---------------------------------------------------------------------
+
+    @property
+    def layer_names(self) -> list[str]:
+        """Main layers in wire order."""
+        return list(self._layers)
+
+    def sending(self) -> dict[str, bool]:
+        """``{req_id: vLLM finished it}`` of every request still tracked."""
+        return {r: s.vllm_finished for r, s in self._sends.items()}
+
+    def is_idle(self) -> bool:
+        """Nothing tracked here nor in the endpoint."""
+        return not self._sends and self.worker.is_idle()
+
+    def layer_index(self, layer_name: str) -> int | None:
+        """The wire index of a main layer, or of the main layer an indexer belongs to."""
+        idx = self._index.get(layer_name)
+        if idx is None and "indexer" in layer_name:
+            idx = self._index.get(f"#layers.{layer_number(layer_name)}")
+        return idx
+
+    # -- the step ----------------------------------------------------------------------------
+
+    def bind(self, meta: Rd2hConnectorMetadata) -> None:
+        """Schedule this step's chunks (before the forward pass's first layer)."""
+        self._published.clear()
+        self._top = -1
+        for send in meta.sends:
+            state = self._sends.get(send.req_id)
+            if state is None:
+                state = self._register(send)
+            if not state.registered or state.final_scheduled:
+                continue
+            self._schedule(state, send)
+
+    def _register(self, send: SendSpec) -> _Send:
+        target = DecodeTarget(send.target.host, send.target.base_port, send.target.tp_size)
+        registered = True
+        try:
+            if send.ext_id in self._by_ext:
+                raise LocalProtocolError(
+                    f"external id {send.ext_id!r} is already in flight for request "
+                    f"{self._by_ext[send.ext_id]!r}"
+                )
+            self.worker.add_request(send.ext_id, target)
+        except ProtocolError as exc:
+            # Prefill still computes the request; Decode fails it on its own deadline.
+            logger.error("request %s: not published: %s", send.req_id, exc)
+            self.stats.record_failure(exc.code)
+            registered = False
+        state = _Send(send.req_id, send.ext_id, registered)
+        self._sends[send.req_id] = state
+        if registered:
+            self._by_ext[send.ext_id] = send.req_id
+        return state
+
+    def _schedule(self, state: _Send, send: SendSpec) -> None:
+        groups = self.groups
+        try:
+            ms, me = chunk_block_range(
+                remote_cached_tokens=send.remote_cached_tokens,
+                transferred_tokens=send.transferred_tokens,
+                computed_tokens=send.computed_tokens,
+                block_size=groups.block_sizes[groups.main],
+                allocated_blocks=len(send.main_block_ids),
+                final=send.final,
+            )
+            indexer: list[int] = []
+            i_start = 0
+            if send.indexer_block_ids is not None and groups.indexer is not None:
+                i_start, i_end = chunk_block_range(
+                    remote_cached_tokens=send.remote_cached_tokens,
+                    transferred_tokens=send.transferred_tokens,
+                    computed_tokens=send.computed_tokens,
+                    block_size=groups.block_sizes[groups.indexer],
+                    allocated_blocks=len(send.indexer_block_ids),
+                    final=send.final,
+                )
+                indexer = send.indexer_block_ids[i_start:i_end]
+            elif send.indexer_block_ids is not None:
+                # One group holds main and indexer: the same ids, the same range.
+                indexer, i_start = send.indexer_block_ids[ms:me], ms
+        except ProtocolError as exc:
+            logger.error("request %s: bad chunk: %s", send.req_id, exc)
+            self.stats.record_failure(exc.code)
+            self._publisher.run(lambda: self.worker.abort([state.ext_id]))
+            state.final_scheduled = True  # nothing more goes out for it
+            return
+        main = send.main_block_ids[ms:me]
+        ext, final = state.ext_id, send.final
+        self._publisher.run(
+            lambda: self.worker.schedule_chunk(ext, main, indexer, ms, i_start, final)
+        )
+        state.final_scheduled = final
+        self._step_active = True
+
+    def wait_writable(self, layer_name: str) -> None:
+        """Block until the storage ``layer_name`` writes is no longer read by Decode."""
+        idx = self.layer_index(layer_name)
+        if idx is None:
+            return
+        # Publications still queued have not closed their gates yet: let them first.
+        if not self._publisher.drain(self._gate_timeout_s):
+            raise TransferError(f"{layer_name}: earlier layers were not published in time")
+        if self.worker.can_overwrite(idx):
+            return
+        start = time.monotonic()
+        ok = self.worker.wait_writable(idx, self._gate_timeout_s)
+        self.stats.record_gate_wait(time.monotonic() - start)
+        if not ok:
+            err = TransferError(
+                f"{layer_name}: its storage is still being read after "
+                f"{self._gate_timeout_s:.0f} s; refusing to overwrite it"
+            )
+            err.code = ErrorCode.TIMEOUT
+            raise err
+
+    def layer_written(self, layer_name: str) -> None:
+        """The layer's KV is written (scatter issued): publish it once this step."""
+        if not self._step_active:
+            return
+        idx = self.layer_index(layer_name)
+        if idx is None or layer_name != self._layers[idx]:
+            return  # indexers are published with their main layer
+        if idx in self._published or idx <= self._top:
+            return  # save_kv_layer and on_kv_cache_written both fire for one layer
+        self._published.add(idx)
+        self._top = idx
+        event = self._events.record()
+        self._publisher.run(lambda: self._publish(idx), event)
+
+    def _publish(self, idx: int) -> None:
+        if not self.worker.can_overwrite(idx):
+            # The compute path wrote into storage still being read (no layer-entry wait):
+            # publishing would be a lie; the step ends with this layer missing instead.
+            logger.error("layer %s written without waiting for its storage", self._layers[idx])
+            self.stats.record_failure(ErrorCode.STEP_INCOMPLETE)
+            return
+        self.worker.layer_written(idx)
+
+    def end_step(self) -> None:
+        """The step's forward pass is over."""
+        if self._step_active:
+            self._step_active = False
+            self._publisher.run(self.worker.end_step)
+
+    # -- completion --------------------------------------------------------------------------
+
+    def _on_finished(self, finished: RequestFinished) -> None:
+        with self._lock:
+            self._finished.append(finished)
+
+    def get_finished(self, finished_req_ids: Iterable[str]) -> set[str]:
+        """Requests whose blocks vLLM may free now (``finished_sending``)."""
+        aborts: list[str] = []
+        for req_id in finished_req_ids:
+            state = self._sends.get(req_id)
+            if state is None:
+                continue
+            state.vllm_finished = True
+            if state.registered and not state.final_scheduled and state.outcome is None:
+                aborts.append(state.ext_id)  # finished before its prompt was: aborted
+        if aborts:
+            self._publisher.run(lambda: self.worker.abort(aborts))
+        with self._lock:
+            finished, self._finished = self._finished, []
+        for f in finished:
+            owner = self._by_ext.get(f.ext_req_id)
+            state = self._sends.get(owner) if owner is not None else None
+            if state is None:
+                continue
+            state.outcome = f
+            if not f.ok:
+                self.stats.record_failure(f.code or ErrorCode.UNKNOWN)
+                logger.warning("request %s: KV not delivered: %s", owner, f.message)
+        done = {
+            r
+            for r, s in self._sends.items()
+            if s.vllm_finished and (not s.registered or s.outcome is not None)
+        }
+        for req_id in done:
+            state = self._sends.pop(req_id)
+            if state.registered:
+                self._by_ext.pop(state.ext_id, None)
+        return done
+
+    def take_stats(self) -> Rd2hKVConnectorStats | None:
+        """This interval's stats (endpoint counters included), then reset."""
+        self.stats.record_counters(self._counters.take(self.worker.stats))
+        return self.stats.take()
+
+    def close(self) -> None:
+        """Stop publishing; close the worker (and its backend)."""
+        self._publisher.drain(5.0)
+        self._publisher.close()
+        self.worker.close()
+
+
+# -- Decode ----------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Load:
+    spec: LoadSpec
+    in_endpoint: bool
+    failed_locally: tuple[ErrorCode, str] | None = None
+    finished: bool = False  # terminal on every rank; being released
+    failed: bool = False
+    released: bool = False
+
+
+class DecodeSide:
+    """The Decode (kv_consumer) worker half (see the module docstring)."""
+
+    def __init__(
+        self,
+        config: Rd2hConfig,
+        groups: CacheGroups,
+        destinations: DestinationProvider,
+        *,
+        tp: TpGroup,
+        backend: TransferBackend,
+        host: str,
+        port: int,
+        compat: str,
+        report_block_errors: bool,
+        control_options: ControlOptions | None = None,
+    ) -> None:
+        self.config = config
+        self.groups = groups
+        self.destinations = destinations
+        self._tp = tp
+        self._report_blocks = report_block_errors
+        self.stats = Rd2hKVConnectorStats()
+        self._counters = CounterDelta()
+        self._lock = threading.Lock()
+        self._outcomes: list[Outcome] = []
+        self._reads: list[ReadRecord] = []
+        self._loads: dict[str, _Load] = {}
+        self._by_ext: dict[str, str] = {}
+        self._error_blocks: set[int] = set()
+        self.completion = CrossRankCompletion(tp.size)
+        # A read must end well within half the Prefill lease (see DecodeWorker).
+        read_timeout_s = max(0.1, min(10.0, 0.4 * config.lease_ms / 1000.0))
+        self.worker = DecodeWorker(
+            ConsumerConfig(
+                d_rank=tp.rank,
+                d_tp=config.tp_size,
+                layers=destinations.layouts(),
+                compat=compat,
+                kv_load_timeout_s=config.kv_load_timeout_s,
+                max_read_retries=config.max_read_retries,
+            ),
+            backend,
+            host=host,
+            port=port,
+            control_options=control_options,
+            read_timeout_s=read_timeout_s,
+            on_outcome=self._on_outcome,
+            on_read=self._on_read,
+        )
+
+    # -- introspection ---------------------------------------------------------------------
+
+    def loading(self) -> dict[str, bool]:
+        """``{req_id: finished on every rank}`` of every load still tracked."""
+        return {r: load.finished for r, load in self._loads.items()}
+
+    def is_idle(self) -> bool:
+        """Nothing tracked here, in the completion rule or in the endpoint."""
+        return not self._loads and self.completion.is_idle() and self.worker.is_idle()
+
+    # -- the step ----------------------------------------------------------------------------
+
+    def bind(self, meta: Rd2hConnectorMetadata) -> None:
+        """Register new destinations; abort loads whose rendezvous failed."""
+        now = time.monotonic()
+        for spec in meta.loads:
+            if spec.req_id not in self._loads:
+                self._add(spec, now)
+        for failure in meta.load_failures:
+            load = self._loads.get(failure.req_id)
+            if load is not None and not load.finished:
+                self._fail(load, ErrorCode(failure.code), failure.message)
+
+    def _add(self, spec: LoadSpec, now: float) -> None:
+        indexer = spec.indexer_block_ids if spec.indexer_block_ids is not None else []
+        load = _Load(spec, in_endpoint=False)
+        self._loads[spec.req_id] = load
+        if spec.ext_id in self._by_ext:
+            other = self._by_ext[spec.ext_id]
+            load.failed_locally = (
+                ErrorCode.UNKNOWN_REQUEST,
+                f"external id {spec.ext_id!r} is already loading for request {other!r}",
+            )
+            self._local_outcome(load)
+            return
+        self._by_ext[spec.ext_id] = spec.req_id
+        try:
+            self.worker.add_request(spec.ext_id, spec.main_block_ids, indexer)
+        except ProtocolError as exc:
+            load.failed_locally = (exc.code, exc.message)
+            self._local_outcome(load)
+            return
+        load.in_endpoint = True
+
+    def _local_outcome(self, load: _Load) -> None:
+        assert load.failed_locally is not None
+        code, message = load.failed_locally
+        logger.error("request %s: cannot receive its KV: %s", load.spec.req_id, message)
+        with self._lock:
+            self._outcomes.append(Outcome(load.spec.ext_id, False, code, message))
+
+    def _fail(self, load: _Load, code: ErrorCode, message: str) -> None:
+        if load.in_endpoint:
+            self.worker.abort([load.spec.ext_id], message)
+        elif load.failed_locally is None:
+            load.failed_locally = (code, message)
+            self._local_outcome(load)
+
+    def _on_outcome(self, outcome: Outcome) -> None:
+        with self._lock:
+            self._outcomes.append(outcome)
+
+    def _on_read(self, record: ReadRecord) -> None:
+        with self._lock:
+            self._reads.append(record)
+
+    def get_finished(self, finished_req_ids: Iterable[str]) -> tuple[set[str], set[str]]:
+        """``(finished_recving, failed_recving)`` of this step (a TP collective)."""
+        for req_id in finished_req_ids:
+            load = self._loads.get(req_id)
+            if load is not None and not load.finished:
+                # vLLM finished (aborted) it while it was loading.
+                self._fail(load, ErrorCode.ABORTED, "aborted by vLLM while loading")
+        with self._lock:
+            outcomes, self._outcomes = self._outcomes, []
+        done = [o.ext_req_id for o in outcomes if o.ok]
+        failed = [o.ext_req_id for o in outcomes if not o.ok]
+        for o in outcomes:
+            if not o.ok:
+                self.stats.record_failure(o.code or ErrorCode.UNKNOWN)
+        gathered = self._tp.all_gather((RankReport(done=done, failed=failed), time.monotonic()))
+        result = self.completion.update(
+            [report for report, _ in gathered], self._by_ext.get, gathered[0][1]
+        )
+        for ext in result.dropped:
+            logger.warning("request %s: completion given up (no id mapping)", ext)
+        for req_id in result.finished:
+            load = self._loads.get(req_id)
+            if load is None:
+                continue
+            load.finished = True
+            load.failed = req_id in result.load_errors
+            load.released = not load.in_endpoint or self.worker.release(load.spec.ext_id)
+        recving: set[str] = set()
+        failed_recving: set[str] = set()
+        for req_id, load in list(self._loads.items()):
+            if not load.finished:
+                continue
+            if not load.released:
+                load.released = self.worker.wait_releasable(load.spec.ext_id, 0.0)
+                if not load.released:
+                    continue  # a read may still write its blocks
+            recving.add(req_id)
+            del self._loads[req_id]
+            if self._by_ext.get(load.spec.ext_id) == req_id:
+                del self._by_ext[load.spec.ext_id]
+            if load.failed:
+                failed_recving.add(req_id)
+                if self._report_blocks:
+                    self._error_blocks.update(load.spec.main_block_ids)
+                    self._error_blocks.update(load.spec.indexer_block_ids or ())
+        return recving, failed_recving
+
+    def take_load_errors(self) -> set[int]:
+        """Blocks of failed loads reported this step (single KV-cache group only)."""
+        blocks, self._error_blocks = self._error_blocks, set()
+        return blocks
+
+    def take_stats(self) -> Rd2hKVConnectorStats | None:
+        """This interval's stats (reads per layer, endpoint counters), then reset."""
+        with self._lock:
+            reads, self._reads = self._reads, []
+        for r in reads:
+            if r.error is None:
+                self.stats.record_read(r.layer_name, r.nbytes, r.descriptors, r.seconds)
+        self.stats.record_counters(self._counters.take(self.worker.stats))
+        return self.stats.take()
+
+    def close(self) -> None:
+        """Close the worker (and its backend)."""
+        self.worker.close()
+
+
+__all__ = [
+    "LAYOUT_VERSION",
+    "DecodeSide",
+    "LayerTensors",
+    "PrefillSide",
+    "SingleRank",
+    "TpGroup",
+    "VllmTpGroup",
+    "compat_string",
+    "default_tp_group",
+    "host_pool_specs",
+    "prefill_layouts",
+    "split_kv_caches",
+]
