@@ -102,7 +102,7 @@ class PrefillMetrics:
     gate_timeouts: int = 0  # wait_writable calls that gave up
     frames_sent: int = 0
     send_failures: int = 0  # frames the client refused (queue full or closed)
-    disconnects: int = 0  # Decode connections that dropped (ZMQ monitor)
+    disconnects: int = 0  # Decode connections that broke or failed (ZMQ monitor)
     handler_errors: int = 0  # exceptions caught on the I/O thread
 
 
@@ -118,6 +118,11 @@ class PrefillWorker:
     ``on_finished`` is called (outside the lock, on whichever thread produced it) with
     every :class:`RequestFinished`; without it, results are kept until
     :meth:`wait_finished` or :meth:`take_finished` collects them.
+
+    ``declare_dead_on_disconnect``: when the control client reports that an established
+    connection to a Decode endpoint broke (the peer closed it, or ZMQ's heartbeat timed
+    out), tell the endpoint (``connection_lost``) so that publications a v1 peer can never
+    answer stop holding their storage once their lease has run out.
     """
 
     def __init__(
@@ -130,8 +135,10 @@ class PrefillWorker:
         on_finished: Callable[[RequestFinished], None] | None = None,
         own_backend: bool = True,
         name: str | None = None,
+        declare_dead_on_disconnect: bool = True,
     ) -> None:
         self._backend = backend
+        self._declare_dead = declare_dead_on_disconnect
         self._own_backend = own_backend
         self._on_finished = on_finished
         self._lock = threading.Lock()
@@ -379,6 +386,21 @@ class PrefillWorker:
         else:
             self.metrics.frames_sent += 1
 
+    def _connection_lost(self, conn: str, kind: str, now: float) -> list[RequestFinished]:
+        """A Decode connection broke (peer gone, heartbeat timeout) or never came up.
+
+        The endpoint decides what that means for its publications (requests fail now,
+        gates reopen no earlier than their leases); the DEALER is replaced so that frames
+        queued for the old connection are never delivered late to a restarted peer, and
+        the next publication starts a fresh handshake from a fresh routing id. Lock held.
+        """
+        self.metrics.disconnects += 1
+        if not self._declare_dead or conn not in self._endpoint.connections():
+            return []
+        log.warning("Decode endpoint %s: connection %s, declaring it lost", conn, kind)
+        self._client.disconnect(conn)
+        return self._execute(self._endpoint.connection_lost(conn, now))
+
     def _report(self, finished: list[RequestFinished]) -> None:
         callback = self._on_finished
         if callback is None:
@@ -401,8 +423,8 @@ class PrefillWorker:
                     finished = self._execute(self._endpoint.receive(event.conn, event.payload, now))
                 elif isinstance(event, TimerDue):
                     finished = self._execute(self._endpoint.handle_timer(now))
-                elif isinstance(event, ConnectionEvent) and event.kind == "disconnected":
-                    self.metrics.disconnects += 1
+                elif isinstance(event, ConnectionEvent) and event.kind != "connected":
+                    finished = self._connection_lost(event.conn, event.kind, now)
         except Exception as exc:
             # Never let a bug kill the thread that carries every reply; keep it visible.
             with self._lock:
