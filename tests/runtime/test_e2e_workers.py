@@ -14,7 +14,7 @@ from rd2h_protocol.consumer import ConsumerConfig
 from rd2h_protocol.errors import ErrorCode, TransferError
 from rd2h_protocol.plan import ReadPlan
 from rd2h_protocol.producer import DecodeTarget, ProducerConfig
-from rd2h_runtime.control import ControlClosed
+from rd2h_runtime.control import BindError, ControlClosed
 from rd2h_runtime.decode import DecodeWorker
 from rd2h_runtime.planning import Descriptors, build_descriptors
 from rd2h_runtime.prefill import PrefillWorker
@@ -198,3 +198,33 @@ def test_close_joins_every_thread_and_refuses_later_calls() -> None:
     with pytest.raises(ControlClosed):
         pair.decode.add_request("late", [2], [2])
     assert pair.prefill.backend.closed and pair.decode.backend.closed
+
+
+def test_decode_restarted_on_the_same_port_is_served_after_a_fresh_handshake() -> None:
+    pair = Pair()
+    try:
+        assert pair.run("before", 120) == (True, None)
+        port = pair.decode.port
+        pair.decode.close()
+        # A new Decode process would bind the same rank port again; its endpoint knows no
+        # Prefill session.
+        for _ in range(50):
+            try:
+                pair.decode = DecodeWorker(
+                    ConsumerConfig(d_rank=0, d_tp=1, layers=pair.dest.layers(0)),
+                    create_backend("loopback", role="decode"),
+                    host=HOST,
+                    port=port,
+                    regions=pair.dest.regions(0),
+                    control_options=FAST_CONTROL,
+                )
+                break
+            except BindError:
+                time.sleep(0.05)
+        assert pair.run("after", 120) == (True, None)
+        stats = pair.prefill.stats
+        assert stats.handshakes == 2, stats
+        assert pair.decode.is_idle() and pair.prefill.is_idle()
+        assert pair.prefill.healthy and pair.decode.healthy
+    finally:
+        pair.close()
