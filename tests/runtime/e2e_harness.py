@@ -223,10 +223,6 @@ class DecodeEngine:
     def base_port(self) -> int:
         return self.workers[0].port
 
-    def post(self, name: str, *args: Any) -> None:
-        """Call without waiting for the answer (for a call the child may die during)."""
-        self.conn.send((name, args))
-
     def target(self) -> DecodeTarget:
         """What the rendezvous tells Prefill about this engine."""
         return DecodeTarget(HOST, self.base_port, self.spec.d_tp)
