@@ -176,7 +176,8 @@ class SfaRemoteD2HConnector(Rd2hMetricsMixin, KVConnectorBase_V1, SupportsHMA):
                     num_blocks,
                     tp=tp,
                     backend=backend,
-                    events=device_events(self.config.device_type),
+                    # The caches' own device says where the scatter runs.
+                    events=device_events(layers[0].k.device.type),
                     compat=compat,
                     control_options=self.control_options,
                 )

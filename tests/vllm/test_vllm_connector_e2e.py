@@ -1,0 +1,141 @@
+"""SfaRemoteD2HConnector end to end: real vLLM Schedulers on both sides, real transfers.
+
+Decode gets a request with ``do_remote_prefill`` and the metaserver URL, posts its
+rendezvous; the test plays the proxy (the posted JSON becomes the Prefill request's
+``kv_transfer_params``); Prefill computes the prompt layer by layer through the worker
+half of the connector over CPU tensors, Decode pulls each layer with NIXL (UCX, in
+process) into its host pool, and the Decode request becomes runnable.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+from conftest import VllmConfigFactory
+from vllm.v1.request import RequestStatus
+from vllm_metaserver_harness import MetaServer
+from vllm_pd_harness import (
+    Engine,
+    build_engine,
+    free_port_block,
+    make_request,
+    run_until,
+    status,
+)
+
+from rd2h_protocol.rendezvous import BATCH_PARAMS_KEY, decode_rendezvous, remote_prefill_params
+
+
+@pytest.fixture
+def pd(make_vllm_config: VllmConfigFactory) -> Iterator[tuple[Engine, Engine]]:
+    decode = build_engine(make_vllm_config, "kv_consumer", kv_port=free_port_block(1))
+    try:
+        prefill = build_engine(make_vllm_config, "kv_producer")
+    except BaseException:
+        decode.close()
+        raise
+    yield prefill, decode
+    prefill.close()
+    decode.close()
+
+
+def wait_posts(server: MetaServer, count: int, timeout_s: float = 10.0) -> list[bytes]:
+    deadline = time.monotonic() + timeout_s
+    while len(server.script.bodies) < count:
+        assert time.monotonic() < deadline, "rendezvous not posted in time"
+        time.sleep(0.01)
+    return list(server.script.bodies)
+
+
+def test_kv_arrives_byte_exact_and_decode_runs(
+    pd: tuple[Engine, Engine], server: MetaServer
+) -> None:
+    prefill, decode = pd
+    prompt = list(range(40))  # 2 full blocks + a partial one
+    d_req = decode.add(
+        make_request("cmpl-e2e-0-0000abcd", prompt, remote_prefill_params(server.url), 4)
+    )
+    decode.step()
+    assert status(d_req) == RequestStatus.WAITING_FOR_REMOTE_KVS
+    [body] = wait_posts(server, 1)
+    rendezvous = decode_rendezvous(body)
+    assert (rendezvous.remote_host, rendezvous.remote_port) == ("127.0.0.1", decode.kv_port)
+    p_req = prefill.add(make_request("cmpl-e2e-0-00001234", prompt, rendezvous.to_params(), 1))
+    dest_ids = decode.block_ids(d_req.request_id)[0]
+    run_until([prefill, decode], lambda: status(d_req) == RequestStatus.RUNNING)
+    assert decode.mismatches("cmpl-e2e-0", dest_ids) == []
+    assert d_req.num_computed_tokens == len(prompt)  # the prompt's KV came from Prefill
+    # Prefill frees its blocks only after every read; Decode then generates.
+    run_until([prefill, decode], lambda: p_req.request_id not in prefill.scheduler.requests)
+    run_until([decode], lambda: len(d_req.output_token_ids) >= 2)
+    assert prefill.workers[0].prefill is not None and prefill.workers[0].prefill.is_idle()
+    assert decode.workers[0].decode is not None and decode.workers[0].decode.is_idle()
+    assert prefill.connector.scheduler is not None and prefill.connector.scheduler.is_idle()
+    # Metrics through vLLM's aggregation: Decode's reads per layer, Prefill's publications.
+    reads = [s["layer_reads"] for s in decode.stats if s.get("layer_reads")]
+    layers = {name for r in reads for name in r}
+    assert layers == {"model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"}
+    total = sum(v[1] for r in reads for v in r.values())
+    assert total == 2 * 2 * 3 * 2048  # layers x (K, V) x blocks x bytes per block
+    events = [s["protocol_events"] for s in prefill.stats if s.get("protocol_events")]
+    assert sum(e.get("publications", 0) for e in events) == 2
+
+
+def test_chunked_prefill_sends_each_chunk(
+    make_vllm_config: VllmConfigFactory, server: MetaServer
+) -> None:
+    decode = build_engine(make_vllm_config, "kv_consumer", kv_port=free_port_block(1))
+    prefill = build_engine(make_vllm_config, "kv_producer", max_num_batched_tokens=32)
+    try:
+        prompt = list(range(100, 190))  # 90 tokens: chunks of 32, 32, 26
+        d_req = decode.add(
+            make_request("cmpl-chunk-0-00000001", prompt, remote_prefill_params(server.url), 2)
+        )
+        decode.step()
+        rendezvous = decode_rendezvous(wait_posts(server, 1)[0])
+        p_req = prefill.add(
+            make_request("cmpl-chunk-0-00000002", prompt, rendezvous.to_params(), 1)
+        )
+        chunks: list[int] = []
+        while status(d_req) != RequestStatus.RUNNING:
+            result = prefill.step()
+            if p_req.request_id in result.out.num_scheduled_tokens:
+                chunks.append(result.out.num_scheduled_tokens[p_req.request_id])
+            decode.step()
+            assert len(chunks) < 50
+        assert chunks == [32, 32, 26]
+        assert decode.mismatches("cmpl-chunk-0", decode.block_ids(d_req.request_id)[0]) == []
+        run_until([prefill, decode], lambda: not prefill.scheduler.requests)
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def test_prompt_list_children_share_one_prefill_dispatch(
+    pd: tuple[Engine, Engine], server: MetaServer
+) -> None:
+    prefill, decode = pd
+    prompts = [list(range(20)), list(range(30, 65)), list(range(70, 73))]
+    children = [
+        decode.add(
+            make_request(f"cmpl-list-{i}-0000000{i}", p, remote_prefill_params(server.url), 2)
+        )
+        for i, p in enumerate(prompts)
+    ]
+    decode.step()
+    posted = {r.request_id: r for r in map(decode_rendezvous, wait_posts(server, 3))}
+    assert set(posted) == {"cmpl-list-0", "cmpl-list-1", "cmpl-list-2"}
+    # The proxy dispatches the original list once: child 0's params plus the batch map.
+    params = {
+        **posted["cmpl-list-0"].to_params(),
+        BATCH_PARAMS_KEY: {ext: r.to_params() for ext, r in posted.items()},
+    }
+    for i, p in enumerate(prompts):
+        prefill.add(make_request(f"cmpl-list-{i}-1000000{i}", p, params, 1))
+    run_until([prefill, decode], lambda: all(status(c) == RequestStatus.RUNNING for c in children))
+    for i, child in enumerate(children):
+        ids = decode.block_ids(child.request_id)[0]
+        assert decode.mismatches(f"cmpl-list-{i}", ids) == [], i
+    run_until([prefill, decode], lambda: not prefill.scheduler.requests)
