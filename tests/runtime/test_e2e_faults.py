@@ -19,19 +19,21 @@ import zmq
 
 from rd2h_protocol.errors import ErrorCode
 from rd2h_protocol.producer import DecodeTarget
-from rd2h_runtime.synthetic import RequestSpec, SyntheticModel
-from tests.runtime.e2e_harness import (
+from rd2h_runtime.engines import (
     HOST,
     DecodeEngine,
     DecodeResult,
     DecodeSpec,
     PrefillEngine,
     PrefillSpec,
+    engine_process,
+)
+from rd2h_runtime.synthetic import RequestSpec, SyntheticModel
+from tests.runtime.e2e_harness import (
     Relay,
     all_gates_open,
     assert_clean,
     describe,
-    engine_process,
     wait_until,
 )
 

@@ -15,6 +15,13 @@ import zmq
 
 from rd2h_protocol.producer import DecodeTarget
 from rd2h_protocol.topology import indexer_share
+from rd2h_runtime.engines import (
+    HOST,
+    DecodeEngine,
+    DecodeSpec,
+    PrefillEngine,
+    PrefillSpec,
+)
 from rd2h_runtime.synthetic import (
     BlockAllocator,
     DecodeDestinations,
@@ -24,11 +31,6 @@ from rd2h_runtime.synthetic import (
 )
 from rd2h_runtime.transfer import create_backend
 from tests.runtime.e2e_harness import (
-    HOST,
-    DecodeEngine,
-    DecodeSpec,
-    PrefillEngine,
-    PrefillSpec,
     Relay,
     assert_clean,
     wait_until,

@@ -9,6 +9,12 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
+from rd2h_runtime.engines import (
+    DecodeEngine,
+    DecodeSpec,
+    PrefillEngine,
+    PrefillSpec,
+)
 from rd2h_runtime.synthetic import (
     ChunkStep,
     RequestSpec,
@@ -17,10 +23,6 @@ from rd2h_runtime.synthetic import (
     chunk_steps,
 )
 from tests.runtime.e2e_harness import (
-    DecodeEngine,
-    DecodeSpec,
-    PrefillEngine,
-    PrefillSpec,
     assert_clean,
     wait_until,
 )

@@ -9,13 +9,15 @@ from collections.abc import Sequence
 
 import pytest
 
-from rd2h_runtime.synthetic import RequestSpec, SyntheticModel
-from tests.runtime.e2e_harness import (
+from rd2h_runtime.engines import (
     DecodeSpec,
     EngineProcess,
     PrefillSpec,
-    assert_clean,
     engine_process,
+)
+from rd2h_runtime.synthetic import RequestSpec, SyntheticModel
+from tests.runtime.e2e_harness import (
+    assert_clean,
 )
 
 pytestmark = pytest.mark.timeout(90)

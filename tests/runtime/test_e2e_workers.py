@@ -16,6 +16,15 @@ from rd2h_protocol.plan import ReadPlan
 from rd2h_protocol.producer import DecodeTarget, ProducerConfig
 from rd2h_runtime.control import BindError, ControlClosed
 from rd2h_runtime.decode import DecodeWorker
+from rd2h_runtime.engines import (
+    FAST_CONTROL,
+    HOST,
+    DecodeEngine,
+    DecodeSpec,
+    HookedBackend,
+    PrefillEngine,
+    PrefillSpec,
+)
 from rd2h_runtime.planning import Descriptors, build_descriptors
 from rd2h_runtime.prefill import PrefillWorker
 from rd2h_runtime.synthetic import (
@@ -28,13 +37,6 @@ from rd2h_runtime.synthetic import (
 )
 from rd2h_runtime.transfer import create_backend
 from tests.runtime.e2e_harness import (
-    FAST_CONTROL,
-    HOST,
-    DecodeEngine,
-    DecodeSpec,
-    HookedBackend,
-    PrefillEngine,
-    PrefillSpec,
     assert_clean,
     wait_until,
 )
