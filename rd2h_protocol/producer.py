@@ -321,7 +321,21 @@ class GateOpened:
     slot: int
 
 
-Output: TypeAlias = Connect | Send | RequestFinished | GateOpened
+@dataclass(frozen=True, slots=True)
+class LayerReplied:
+    """A publication got its terminal reply: how long Decode took, measured on our clock.
+
+    ``round_trip_s`` runs from the readiness going out (``now`` of the call that emitted its
+    Send) to the reply being fed in; ``ok`` is False for a read_failed reply.
+    """
+
+    conn: str
+    layer_idx: int
+    round_trip_s: float
+    ok: bool
+
+
+Output: TypeAlias = Connect | Send | RequestFinished | GateOpened | LayerReplied
 
 
 @dataclass(slots=True)
@@ -424,6 +438,7 @@ class _Pub:
     deadline: float
     state: str = PUB_QUEUED
     seq: int | None = None  # key in conn.sent while on the wire
+    sent_at: float = 0.0  # now of the last Send of its readiness
     abort_ids: list[str] = field(default_factory=list)  # held: the ABORT it waits for
 
 
@@ -1062,6 +1077,7 @@ class ProducerEndpoint:
         read_reqs = pub.read_reqs
         done = pub.done_ids
         if any(r.state not in _STILL_READ for r in pub.requests):
+        pub.sent_at = now
             # Some stopped while this waited for the handshake: do not publish them.
             live = {r.ext_id for r in pub.requests if r.state in _STILL_READ}
             read_reqs = [r for r in read_reqs if r.ext_req_id in live]
@@ -1164,6 +1180,7 @@ class ProducerEndpoint:
             if isolated:
                 self.stats.isolated_failures += len(isolated)
             self._fail_requests(pub, R_RECV_FAILURE, ErrorCode.UNKNOWN, "", isolated)
+        out.append(LayerReplied(conn.name, pub.layer_idx, now - pub.sent_at, effect == EFFECT_DONE))
         else:
             assert effect == EFFECT_FAIL and read_failed is not None
             self.stats.read_failures += 1

@@ -28,6 +28,7 @@ two cannot deadlock. Completion callbacks run outside the lock.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import logging
@@ -44,6 +45,7 @@ from rd2h_protocol.producer import (
     Connect,
     DecodeTarget,
     GateOpened,
+    LayerReplied,
     Output,
     ProducerConfig,
     ProducerEndpoint,
@@ -71,6 +73,8 @@ __all__ = ["PrefillMetrics", "PrefillWorker", "layout_regions"]
 log = logging.getLogger("rd2h_runtime.prefill")
 
 _CLOSE_TIMEOUT_S: Final = 10.0
+#: How many readiness -> reply round trips a worker keeps for percentiles.
+ROUND_TRIP_SAMPLES: Final = 8192
 
 
 def layout_regions(layers: Iterable[tuple[str, LayerLayout]]) -> list[tuple[int, int]]:
@@ -146,6 +150,8 @@ class PrefillWorker:
         self._finished: dict[str, RequestFinished] = {}
         self._errors: list[BaseException] = []
         self.metrics = PrefillMetrics()
+        # Readiness -> reply times of the latest publications (seconds), for percentiles.
+        self._round_trips: collections.deque[float] = collections.deque(maxlen=ROUND_TRIP_SAMPLES)
         self._closed = False
         try:
             backend.register(
@@ -280,6 +286,11 @@ class PrefillWorker:
         """A snapshot of the control client's counters."""
         return self._client.stats
 
+    def round_trips(self) -> list[float]:
+        """Readiness -> terminal reply times of the latest publications, in seconds."""
+        with self._lock:
+            return list(self._round_trips)
+
     @property
     def errors(self) -> list[BaseException]:
         """Exceptions caught on the I/O thread (a bug if not empty)."""
@@ -357,6 +368,8 @@ class PrefillWorker:
                 wake = True
             elif isinstance(out, RequestFinished):
                 finished.append(out)
+            elif isinstance(out, LayerReplied):
+                self._round_trips.append(out.round_trip_s)
             elif isinstance(out, Connect):
                 try:
                     self._client.connect(out.conn)

@@ -40,6 +40,7 @@ from rd2h_protocol.producer import (
     Connect,
     DecodeTarget,
     GateOpened,
+    LayerReplied,
     Output,
     ProducerConfig,
     ProducerEndpoint,
@@ -1298,3 +1299,15 @@ def test_views_describe_live_state() -> None:
     assert ep.is_idle()
     assert ep.get_timer() is None  # the spent lease timer is gone
     assert ep.stats.publications == 1
+
+
+def test_terminal_reply_reports_round_trip_from_send_to_reply() -> None:
+    ep = endpoint(2)
+    msgs = one_request_ready(ep)  # readiness goes out when the ACK arrives at t=1.0
+    out = ep.receive(CONN, done(msgs[0]), 1.25)
+    out += ep.receive(CONN, failed(msgs[1]), 4.0)
+    replied = [o for o in out if isinstance(o, LayerReplied)]
+    assert [(r.conn, r.layer_idx, r.ok) for r in replied] == [(CONN, 0, True), (CONN, 1, False)]
+    assert [r.round_trip_s for r in replied] == pytest.approx([0.25, 3.0])
+    # a duplicate reply is not a round trip
+    assert not [o for o in ep.receive(CONN, done(msgs[0]), 5.0) if isinstance(o, LayerReplied)]
