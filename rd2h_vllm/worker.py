@@ -444,6 +444,10 @@ class PrefillSide:
         """Nothing tracked here nor in the endpoint."""
         return not self._sends and self.worker.is_idle()
 
+    def published(self) -> frozenset[int]:
+        """Wire indices of the layers published so far in the current step."""
+        return frozenset(self._published)
+
     def layer_index(self, layer_name: str) -> int | None:
         """The wire index of a main layer, or of the main layer an indexer belongs to."""
         idx = self._index.get(layer_name)
@@ -461,7 +465,7 @@ class PrefillSide:
             state = self._sends.get(send.req_id)
             if state is None:
                 state = self._register(send)
-            if not state.registered or state.final_scheduled:
+            if not state.registered or state.final_scheduled or self._ended(state.ext_id):
                 continue
             self._schedule(state, send)
 
@@ -520,9 +524,18 @@ class PrefillSide:
             return
         main = send.main_block_ids[ms:me]
         ext, final = state.ext_id, send.final
-        self._publisher.run(
-            lambda: self.worker.schedule_chunk(ext, main, indexer, ms, i_start, final)
-        )
+
+        def schedule() -> None:
+            try:
+                self.worker.schedule_chunk(ext, main, indexer, ms, i_start, final)
+            except LocalProtocolError:
+                # The endpoint may have finished the request meanwhile (an ABORT from
+                # Decode, a failure): then there is nothing left to publish for it.
+                if ext in self.worker.requests():
+                    raise
+                logger.debug("request %s ended before its chunk was scheduled", ext)
+
+        self._publisher.run(schedule)
         state.final_scheduled = final
         self._step_active = True
 
@@ -581,6 +594,11 @@ class PrefillSide:
     def _on_finished(self, finished: RequestFinished) -> None:
         with self._lock:
             self._finished.append(finished)
+
+    def _ended(self, ext_id: str) -> bool:
+        """Whether the endpoint already finished ``ext_id`` (not collected yet)."""
+        with self._lock:
+            return any(f.ext_req_id == ext_id for f in self._finished)
 
     def get_finished(self, finished_req_ids: Iterable[str]) -> set[str]:
         """Requests whose blocks vLLM may free now (``finished_sending``)."""
@@ -671,6 +689,8 @@ class DecodeSide:
         self._loads: dict[str, _Load] = {}
         self._by_ext: dict[str, str] = {}
         self._error_blocks: set[int] = set()
+        #: Loads reported failed by the last get_finished: req_id -> (main, indexer) ids.
+        self.last_failed: dict[str, tuple[list[int], list[int]]] = {}
         self.completion = CrossRankCompletion(tp.size)
         # A read must end well within half the Prefill lease (see DecodeWorker).
         read_timeout_s = max(0.1, min(10.0, 0.4 * config.lease_ms / 1000.0))
@@ -787,6 +807,7 @@ class DecodeSide:
             load.released = not load.in_endpoint or self.worker.release(load.spec.ext_id)
         recving: set[str] = set()
         failed_recving: set[str] = set()
+        self.last_failed = {}
         for req_id, load in list(self._loads.items()):
             if not load.finished:
                 continue
@@ -800,6 +821,10 @@ class DecodeSide:
                 del self._by_ext[load.spec.ext_id]
             if load.failed:
                 failed_recving.add(req_id)
+                self.last_failed[req_id] = (
+                    list(load.spec.main_block_ids),
+                    list(load.spec.indexer_block_ids or ()),
+                )
                 if self._report_blocks:
                     self._error_blocks.update(load.spec.main_block_ids)
                     self._error_blocks.update(load.spec.indexer_block_ids or ())

@@ -118,24 +118,26 @@ def make_request(
     )
 
 
-def kv_cache_config(indexer_group: bool) -> KVCacheConfig:
-    """One group for the main layers, and a second for the indexers when asked."""
+def kv_cache_config(indexer: str) -> KVCacheConfig:
+    """The main layers' group; indexers in a second group ("group") or in the main group
+    ("shared"), or none ("none")."""
     spec = FullAttentionSpec(
         block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.float32
     )
-    groups = [KVCacheGroupSpec(layer_names=list(MAIN), kv_cache_spec=spec)]
-    if indexer_group:
+    main = list(MAIN) + (list(INDEXER) if indexer == "shared" else [])
+    groups = [KVCacheGroupSpec(layer_names=main, kv_cache_spec=spec)]
+    if indexer == "group":
         groups.append(KVCacheGroupSpec(layer_names=list(INDEXER), kv_cache_spec=spec))
     return KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=groups)
 
 
-def kv_caches(indexer: bool) -> dict[str, torch.Tensor]:
+def kv_caches(indexer: str) -> dict[str, torch.Tensor]:
     """One rank's KV caches: ``[2, blocks, block, heads, head]`` per main layer (K, V),
     ``[blocks, block, INDEXER_BYTES]`` uint8 per indexer."""
     caches = {
         name: torch.zeros((2, NUM_BLOCKS, BLOCK, HEADS, HEAD), dtype=torch.float32) for name in MAIN
     }
-    if indexer:
+    if indexer != "none":
         for name in INDEXER:
             caches[name] = torch.zeros((NUM_BLOCKS, BLOCK, INDEXER_BYTES), dtype=torch.uint8)
     return caches
@@ -163,7 +165,7 @@ class Engine:
     scheduler: Scheduler
     workers: list[SfaRemoteD2HConnector]
     caches: list[dict[str, torch.Tensor]]
-    indexer: bool
+    indexer: str  # "none", "group" or "shared" (see kv_cache_config)
     vllm_config: VllmConfig
     aggregator: KVOutputAggregator
     #: Called between layers of a Prefill step: (step number, rank, layer index).
@@ -172,6 +174,8 @@ class Engine:
     load_errors: list[set[int]] = field(default_factory=list)
     failed_recving: list[set[str]] = field(default_factory=list)
     stats: list[dict[str, Any]] = field(default_factory=list)
+    #: Decode: loads each worker reported failed, as (rank, req_id, main ids, indexer ids).
+    failed_blocks: list[tuple[int, str, list[int], list[int]]] = field(default_factory=list)
 
     @property
     def kv_port(self) -> int:
@@ -204,7 +208,7 @@ class Engine:
             worker.bind_connector_metadata(meta)
             if out.total_num_scheduled_tokens > 0:
                 for layer, name in enumerate(MAIN):
-                    if self.indexer:
+                    if self.indexer != "none":
                         worker.wait_for_layer_load(INDEXER[layer])
                         self._write(out, rank, layer, indexer=True)
                         worker.save_kv_layer(
@@ -218,6 +222,10 @@ class Engine:
             worker.start_load_kv(None)  # type: ignore[arg-type]
             worker.wait_for_save()
             results = worker.get_transfer_results(out.finished_req_ids)
+            side = getattr(worker, "decode", None)
+            if side is not None:
+                for req_id, (main, idx) in side.last_failed.items():
+                    self.failed_blocks.append((rank, req_id, main, idx))
             kv_out = KVConnectorOutput(
                 finished_sending=results.finished_sending or None,
                 finished_recving=results.finished_recving or None,
@@ -263,7 +271,7 @@ class Engine:
             first, last = start // BLOCK, (start + count - 1) // BLOCK
             ids = self.block_ids(req_id)
             if indexer:
-                group_ids = ids[1]
+                group_ids = ids[1] if self.indexer == "group" else ids[0]
                 cache = self.caches[rank][INDEXER[layer]]
                 for j in range(first, last + 1):
                     pat = block_pattern(ext, layer, "indexer", [j], BLOCK * INDEXER_BYTES)
@@ -324,7 +332,7 @@ def build_engine(
     *,
     tp: int = 1,
     kv_port: int = 20050,
-    indexer: bool = False,
+    indexer: str = "none",
     max_num_batched_tokens: int = 1024,
     failure_policy: str = "fail",
     worker_cls: type[SfaRemoteD2HConnector] = SfaRemoteD2HConnector,

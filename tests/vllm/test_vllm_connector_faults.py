@@ -1,0 +1,194 @@
+"""SfaRemoteD2HConnector under faults and unequal TP, on real vLLM Schedulers.
+
+* Decode aborts a request while Prefill is between two layers of it: Decode frees the
+  blocks only once no read can write them, nothing writes them afterwards, and Prefill
+  finishes the request without raising.
+* A failed read on Decode: the request is reported in ``failed_recving`` with its main
+  AND indexer blocks (one KV-cache group: also through ``get_block_ids_with_load_errors``,
+  which vLLM turns into a failed request; two groups: vLLM recomputes it locally).
+* Prefill TP 2 -> Decode TP 1: two Prefill worker halves contribute, main KV from member
+  0 only, the indexer split between both; every byte lands.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+import torch
+from conftest import VllmConfigFactory
+from vllm.v1.request import RequestStatus
+from vllm_metaserver_harness import MetaServer
+from vllm_pd_harness import (
+    MAIN,
+    Engine,
+    build_engine,
+    engines,
+    free_port_block,
+    make_request,
+    run_until,
+    status,
+)
+
+from rd2h_protocol.errors import TransferError
+from rd2h_protocol.rendezvous import Rendezvous, decode_rendezvous, remote_prefill_params
+from rd2h_runtime.transfer import TransferBackend
+from rd2h_runtime.transfer.base import U64Array
+from rd2h_runtime.transfer.loopback import LoopbackBackend
+from rd2h_vllm.connector import SfaRemoteD2HConnector
+
+
+class FlakyLoopback(LoopbackBackend):
+    """In-process memmove that fails every read while :attr:`failing` is set."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.failing = threading.Event()
+
+    def _read(
+        self, session: str, remote: U64Array, local: U64Array, lengths: U64Array, deadline: float
+    ) -> None:
+        if self.failing.is_set():
+            raise TransferError("injected read failure", backend_code=-5)
+        super()._read(session, remote, local, lengths, deadline)
+
+
+class LoopbackConnector(SfaRemoteD2HConnector):
+    """The real connector on the in-process loopback backend (both roles)."""
+
+    def create_backend(self, role: str) -> TransferBackend:
+        self.backend = FlakyLoopback(role=role, host="127.0.0.1")
+        return self.backend
+
+
+def rendezvous_after_post(decode: Engine, server: MetaServer, count: int) -> list[Rendezvous]:
+    decode.step()
+    run_until([decode], lambda: len(server.script.bodies) >= count, timeout_s=10.0)
+    return [decode_rendezvous(b) for b in server.script.bodies]
+
+
+def test_abort_on_decode_mid_layer_frees_only_when_quiescent(
+    make_vllm_config: VllmConfigFactory, server: MetaServer
+) -> None:
+    decode = build_engine(make_vllm_config, "kv_consumer", kv_port=free_port_block(1))
+    prefill = build_engine(make_vllm_config, "kv_producer", max_num_batched_tokens=32)
+    with engines(prefill, decode):
+        prompt = list(range(96))  # three Prefill steps of 32 tokens
+        d_req = decode.add(
+            make_request("cmpl-ab-0-00000001", prompt, remote_prefill_params(server.url), 2)
+        )
+        [rendezvous] = rendezvous_after_post(decode, server, 1)
+        dest = decode.block_ids(d_req.request_id)[0]
+        free_before = decode.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+        snapshot: dict[str, torch.Tensor] = {}
+
+        def abort_between_layers(step: int, rank: int, layer: int) -> None:
+            if step != 1 or layer != 0 or snapshot:
+                return
+            # Prefill published layer 0 of its second chunk; Decode's user goes away.
+            decode.scheduler.finish_requests(d_req.request_id, RequestStatus.FINISHED_ABORTED)
+            run_until([decode], lambda: d_req.request_id not in decode.scheduler.requests)
+            pool = decode.destinations()
+            for name in MAIN:
+                for comp in ("k", "v"):
+                    snapshot[f"{name}/{comp}"] = pool.tensor(name, comp)[dest].clone()
+
+        prefill.on_layer = abort_between_layers
+        p_req = prefill.add(make_request("cmpl-ab-0-00000002", prompt, rendezvous.to_params(), 1))
+        # Prefill keeps computing (and never raises) until its request is over.
+        run_until([prefill, decode], lambda: p_req.request_id not in prefill.scheduler.requests)
+        assert snapshot, "the abort hook never ran"
+        assert p_req.status == RequestStatus.FINISHED_LENGTH_CAPPED  # Prefill's client is served
+        # Decode's blocks went back to the pool, and nothing wrote them since.
+        assert decode.scheduler.kv_cache_manager.block_pool.get_num_free_blocks() >= free_before
+        pool = decode.destinations()
+        for name in MAIN:
+            for comp in ("k", "v"):
+                assert torch.equal(pool.tensor(name, comp)[dest], snapshot[f"{name}/{comp}"])
+        d_side, p_side = decode.workers[0].decode, prefill.workers[0].prefill
+        assert d_side is not None and d_side.is_idle()
+        assert p_side is not None and p_side.is_idle()
+        assert p_side.worker.errors == [] and d_side.worker.errors == []
+        # Prefill learnt of the abort (v2 ABORT) and reports it as a failure, not a crash.
+        failures = [s["failures"] for s in prefill.stats if s.get("failures")]
+        assert any("ABORTED" in f for f in failures), failures
+        aborts = sum(s.get("aborts_received", 0) for s in prefill.stats)
+        assert aborts >= 1
+
+
+@pytest.mark.parametrize("indexer", ["shared", "group"])
+def test_failed_read_reports_main_and_indexer_blocks(
+    make_vllm_config: VllmConfigFactory, server: MetaServer, indexer: str
+) -> None:
+    policy = "fail" if indexer == "shared" else "recompute"
+    decode = build_engine(
+        make_vllm_config,
+        "kv_consumer",
+        kv_port=free_port_block(1),
+        indexer=indexer,
+        worker_cls=LoopbackConnector,
+        failure_policy=policy,
+    )
+    prefill = build_engine(
+        make_vllm_config, "kv_producer", indexer=indexer, worker_cls=LoopbackConnector
+    )
+    with engines(prefill, decode):
+        backend = decode.workers[0].backend  # type: ignore[attr-defined]
+        assert isinstance(backend, FlakyLoopback)
+        backend.failing.set()
+        prompt = list(range(50))
+        d_req = decode.add(
+            make_request("cmpl-fail-0-00000001", prompt, remote_prefill_params(server.url), 2)
+        )
+        [rendezvous] = rendezvous_after_post(decode, server, 1)
+        ids = decode.block_ids(d_req.request_id)
+        main, idx = ids[0], ids[1] if indexer == "group" else ids[0]
+        p_req = prefill.add(make_request("cmpl-fail-0-00000002", prompt, rendezvous.to_params(), 1))
+        run_until([prefill, decode], lambda: bool(decode.failed_recving))
+        assert decode.failed_recving == [{d_req.request_id}]
+        assert decode.failed_blocks == [(0, d_req.request_id, main, idx)]
+        if indexer == "shared":
+            # One KV-cache group: block-level errors too; vLLM fails the request.
+            assert decode.load_errors == [set(main) | set(idx)]
+            run_until([decode], lambda: d_req.request_id not in decode.scheduler.requests)
+            assert d_req.status == RequestStatus.FINISHED_ERROR
+        else:
+            # Two groups: request-level only (vLLM refuses block ids); recomputed locally.
+            assert decode.load_errors == []
+            run_until([decode], lambda: status(d_req) == RequestStatus.RUNNING)
+            assert d_req.num_computed_tokens == len(prompt)
+        # Prefill is told (isolated failure or read_failed) and never raises.
+        run_until([prefill, decode], lambda: p_req.request_id not in prefill.scheduler.requests)
+        side = prefill.workers[0].prefill
+        assert side is not None and side.is_idle() and side.worker.errors == []
+        failures = {k for s in decode.stats for k in s.get("failures", {})}
+        assert "TRANSFER_FAILED" in failures
+
+
+def test_prefill_tp2_to_decode_tp1(make_vllm_config: VllmConfigFactory, server: MetaServer) -> None:
+    decode = build_engine(
+        make_vllm_config, "kv_consumer", kv_port=free_port_block(1), indexer="group"
+    )
+    prefill = build_engine(make_vllm_config, "kv_producer", tp=2, indexer="group")
+    with engines(prefill, decode):
+        prompt = list(range(70))
+        d_req = decode.add(
+            make_request("cmpl-tp-0-00000001", prompt, remote_prefill_params(server.url), 2)
+        )
+        [rendezvous] = rendezvous_after_post(decode, server, 1)
+        assert rendezvous.remote_tp_size == 1
+        prefill.add(make_request("cmpl-tp-0-00000002", prompt, rendezvous.to_params(), 1))
+        run_until([prefill, decode], lambda: status(d_req) == RequestStatus.RUNNING)
+        main, idx = decode.block_ids(d_req.request_id)
+        assert decode.mismatches("cmpl-tp-0", main, idx) == []
+        run_until([prefill, decode], lambda: not prefill.scheduler.requests)
+        # Both Prefill ranks published; only member 0 read main KV, both read indexer.
+        reads = [s["layer_reads"] for s in decode.stats if s.get("layer_reads")]
+        total = sum(v[1] for r in reads for v in r.values())
+        main_bytes = 2 * 2 * 5 * 2048  # layers x (K, V) x blocks x bytes
+        idx_bytes = 2 * 5 * 128  # layers x blocks x bytes (split between the members)
+        assert total == main_bytes + idx_bytes
+        for worker in prefill.workers:
+            side = worker.prefill
+            assert side is not None and side.is_idle()
