@@ -304,6 +304,7 @@ class PrefillSpec:
     read_failure_policy: str = "isolate"
     handshake_timeout_s: float = 5.0
     seed: int = 3
+    contiguous: bool = False  # hand out block ids in runs instead of shuffled
     gate_timeout_s: float = 30.0
     die_after_layer: tuple[int, int] | None = None  # (step, layer): SIGKILL after publishing
     write_before_wait: bool = False
@@ -328,7 +329,8 @@ class PrefillEngine:
     ) -> None:
         self.spec = spec
         self._events = events
-        self.alloc = BlockAllocator(spec.model.num_blocks, spec.seed)
+        self.alloc = BlockAllocator(spec.model.num_blocks, spec.seed, contiguous=spec.contiguous)
+        self.ids: dict[str, tuple[list[int], list[int]]] = {}
         self._cond = threading.Condition()
         self._threads: list[threading.Thread] = []
         self.run_errors: list[str] = []
@@ -393,9 +395,22 @@ class PrefillEngine:
         for spec in requests:
             main_n, idx_n = model.blocks_for(spec.tokens)
             main, idx = self.alloc.allocate(main_n), self.alloc.allocate(idx_n)
+            self.ids[spec.ext_id] = (main, idx)
             for r in self.ranks:
                 r.worker.add_request(spec.ext_id, target)
                 r.driver.add(spec, main, idx)
+
+    def release(self, ext_ids: Sequence[str]) -> None:
+        """The requests are finished on every rank: forget them and free their blocks
+        (what the scheduler does once RequestFinished says no read can need them)."""
+        with self._cond:
+            for ext in ext_ids:
+                for r in self.ranks:
+                    r.driver.requests.pop(ext, None)
+                    r.finished.pop(ext, None)
+                main, idx = self.ids.pop(ext, ([], []))
+                self.alloc.free(main)
+                self.alloc.free(idx)
 
     def start(self) -> None:
         """Run every rank's steps on its own thread (returns at once)."""
@@ -451,6 +466,7 @@ class PrefillEngine:
             "requests": [r.worker.requests() for r in self.ranks],
             "stats": [dataclasses.asdict(r.worker.stats) for r in self.ranks],
             "metrics": [dataclasses.asdict(r.worker.metrics) for r in self.ranks],
+            "round_trips": [r.worker.round_trips() for r in self.ranks],
             "run_errors": list(self.run_errors),
         }
 

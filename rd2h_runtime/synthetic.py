@@ -25,6 +25,7 @@ Everything here is deterministic for a given seed and uses numpy only.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import random
@@ -101,6 +102,21 @@ def block_pattern(
     words = np.arange(block_bytes // 8, dtype=np.uint64) * _WORD_STEP
     out: U64Array = seeds[:, None] ^ words[None, :]
     return out.view(np.uint8).reshape(blocks.shape[0], block_bytes)
+
+
+@functools.lru_cache(maxsize=256)
+def range_pattern(
+    request: str, layer: int, component: str, start: int, count: int, block_bytes: int
+) -> U8Array:
+    """:func:`block_pattern` of the logical blocks ``[start, start + count)``, memoised.
+
+    Every Prefill TP rank writes the same blocks of a layer and every Decode rank checks
+    the same indexer, at about the same time: computing the pattern once for all of them
+    keeps the synthetic compute from dwarfing the transfer it feeds. Read-only.
+    """
+    out = block_pattern(request, layer, component, range(start, start + count), block_bytes)
+    out.flags.writeable = False
+    return out
 
 
 # -- model and ring ------------------------------------------------------------------------
@@ -351,9 +367,8 @@ class PrefillCache:
             ids, start = (main_ids, main_start) if comp in _MAIN else (indexer_ids, indexer_start)
             if not len(ids):
                 continue
-            logical = np.arange(start, start + len(ids))
-            self.tensors[(buf, comp)][np.asarray(ids)] = block_pattern(
-                request, layer, comp, logical, self.model.block_bytes(comp)
+            self.tensors[(buf, comp)][np.asarray(ids)] = range_pattern(
+                request, layer, comp, start, len(ids), self.model.block_bytes(comp)
             )
 
 
@@ -449,7 +464,7 @@ class DecodeDestinations:
                 ids = np.asarray(main_ids if comp in _MAIN else indexer_ids, dtype=np.int64)
                 if not ids.size:
                     continue
-                want = block_pattern(request, layer, comp, range(ids.size), m.block_bytes(comp))
+                want = range_pattern(request, layer, comp, 0, ids.size, m.block_bytes(comp))
                 targets = (
                     [(-1, self.main[(layer, comp)])]
                     if comp in _MAIN

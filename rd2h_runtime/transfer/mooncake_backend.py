@@ -19,6 +19,7 @@ Facts that shaped this module (mooncake-transfer-engine-non-cuda 0.3.13):
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from typing import Any, ClassVar, Final
@@ -63,6 +64,9 @@ class MooncakeBackend(TransferBackend):
                 f"max_batch_slices must be in [1, {MAX_BATCH_SLICES}]; got {max_batch_slices}"
             )
         self._batch = int(max_batch_slices)
+        # The engine logs every set-up step at INFO through glog on stderr; keep warnings
+        # and errors only unless the user chose a level (must be set before the import).
+        os.environ.setdefault("GLOG_minloglevel", "1")
         try:
             from mooncake.engine import TransferEngine
         except ModuleNotFoundError:

@@ -58,6 +58,9 @@ def _import_nixl() -> tuple[Any, Any]:
     # UCX probes InfiniBand when loaded; on hosts without it both processes crash at exit
     # unless its ib module is excluded. Must be set before the first import of nixl.
     os.environ.setdefault("UCX_MODULES", "^ib")
+    # NIXL logs every agent creation at INFO to stdout, which would corrupt machine-readable
+    # output (rd2h demo --json); warnings and errors still show. NIXL_LOG_LEVEL overrides.
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     if _package is None:
         _package = _choose_package()
     api = importlib.import_module(f"{_package}._api")
