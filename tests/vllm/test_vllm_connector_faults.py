@@ -134,7 +134,7 @@ def test_failed_read_reports_main_and_indexer_blocks(
         make_vllm_config, "kv_producer", indexer=indexer, worker_cls=LoopbackConnector
     )
     with engines(prefill, decode):
-        backend = decode.workers[0].backend  # type: ignore[attr-defined]
+        backend = decode.workers[0].backend
         assert isinstance(backend, FlakyLoopback)
         backend.failing.set()
         prompt = list(range(50))

@@ -143,6 +143,15 @@ def kv_caches(indexer: str) -> dict[str, torch.Tensor]:
     return caches
 
 
+def rd2h_of(connector: object) -> SfaRemoteD2HConnector:
+    """``connector`` itself, or the RD2H child of a multi-connector."""
+    if isinstance(connector, SfaRemoteD2HConnector):
+        return connector
+    children = getattr(connector, "sub_connectors", [])
+    [ours] = [c for c in children if isinstance(c, SfaRemoteD2HConnector)]
+    return ours
+
+
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     """The raw bytes of a contiguous block, as a flat uint8 view."""
     return t.reshape(-1).view(torch.uint8)
@@ -163,13 +172,15 @@ class Engine:
 
     role: str
     scheduler: Scheduler
-    workers: list[SfaRemoteD2HConnector]
+    workers: list[Any]  # SfaRemoteD2HConnector, or a multi-connector holding one
     caches: list[dict[str, torch.Tensor]]
     indexer: str  # "none", "group" or "shared" (see kv_cache_config)
     vllm_config: VllmConfig
     aggregator: KVOutputAggregator
     #: Called between layers of a Prefill step: (step number, rank, layer index).
     on_layer: Callable[[int, int, int], None] | None = None
+    #: Call ``on_kv_cache_written`` after each main layer's write, before save_kv_layer.
+    cache_written_hook: bool = False
     steps: int = 0
     load_errors: list[set[int]] = field(default_factory=list)
     failed_recving: list[set[str]] = field(default_factory=list)
@@ -185,10 +196,12 @@ class Engine:
 
     @property
     def connector(self) -> SfaRemoteD2HConnector:
-        """The scheduler-side connector vLLM built."""
-        connector = self.scheduler.connector
-        assert isinstance(connector, SfaRemoteD2HConnector)
-        return connector
+        """The scheduler-side RD2H connector vLLM built (inside a multi-connector too)."""
+        return rd2h_of(self.scheduler.connector)
+
+    def rd2h(self, rank: int = 0) -> SfaRemoteD2HConnector:
+        """Worker ``rank``'s RD2H connector."""
+        return rd2h_of(self.workers[rank])
 
     def add(self, req: Request) -> Request:
         self.scheduler.add_request(req)
@@ -216,13 +229,15 @@ class Engine:
                         )
                     worker.wait_for_layer_load(name)
                     self._write(out, rank, layer, indexer=False)
+                    if self.cache_written_hook:
+                        worker.on_kv_cache_written(name)  # vllm-ascend's earlier hook
                     worker.save_kv_layer(name, self.caches[rank][name], None)
                     if self.on_layer is not None:
                         self.on_layer(self.steps, rank, layer)
-            worker.start_load_kv(None)  # type: ignore[arg-type]
+            worker.start_load_kv(None)
             worker.wait_for_save()
             results = worker.get_transfer_results(out.finished_req_ids)
-            side = getattr(worker, "decode", None)
+            side = rd2h_of(worker).decode
             if side is not None:
                 for req_id, (main, idx) in side.last_failed.items():
                     self.failed_blocks.append((rank, req_id, main, idx))
@@ -287,7 +302,7 @@ class Engine:
     # -- Decode checks ---------------------------------------------------------------------
 
     def destinations(self, rank: int = 0) -> HostPoolDestinations:
-        dest = self.workers[rank].destinations
+        dest = self.rd2h(rank).destinations
         assert isinstance(dest, HostPoolDestinations)
         return dest
 
@@ -335,23 +350,20 @@ def build_engine(
     indexer: str = "none",
     max_num_batched_tokens: int = 1024,
     failure_policy: str = "fail",
-    worker_cls: type[SfaRemoteD2HConnector] = SfaRemoteD2HConnector,
+    worker_cls: Callable[..., Any] = SfaRemoteD2HConnector,
     extra: Mapping[str, Any] | None = None,
     backend: str = "nixl",
+    wrap: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
 ) -> Engine:
-    """A Prefill (``kv_producer``) or Decode (``kv_consumer``) engine with ``tp`` workers."""
-    transfer = {
-        "kv_connector": CONNECTOR_NAME,
-        "kv_connector_module_path": CONNECTOR_MODULE,
-        "kv_role": role,
-        "kv_port": kv_port,
-        "kv_load_failure_policy": failure_policy,
-        "kv_connector_extra_config": {
-            "transfer_backend": backend,
-            **FAST_METASERVER,
-            **(extra or {}),
-        },
-    }
+    """A Prefill (``kv_producer``) or Decode (``kv_consumer``) engine with ``tp`` workers.
+
+    ``wrap`` turns RD2H's kv-transfer entry into the engine's whole kv-transfer config
+    (a multi-connector holding it); ``worker_cls`` then builds that connector's workers.
+    """
+    transfer = rd2h_entry(role, kv_port, backend, extra)
+    if wrap is not None:
+        transfer = wrap(transfer)
+    transfer["kv_load_failure_policy"] = failure_policy
     config = make_vllm_config(
         transfer, tp=tp, attach_after=False, max_num_batched_tokens=max_num_batched_tokens
     )
@@ -360,13 +372,14 @@ def build_engine(
     scheduler = Scheduler(
         config, kcc, StructuredOutputManager(config), block_size=BLOCK, log_stats=True
     )
-    workers: list[SfaRemoteD2HConnector] = []
+    workers: list[Any] = []
     caches: list[dict[str, torch.Tensor]] = []
     try:
         for rank in range(tp):
             worker = worker_cls(config, KVConnectorRole.WORKER, kcc)
-            worker.control_options = FAST_CONTROL
-            worker.bind_tp_group(SingleRank(rank=rank, size=tp))
+            ours = rd2h_of(worker)
+            ours.control_options = FAST_CONTROL
+            ours.bind_tp_group(SingleRank(rank=rank, size=tp))
             cache = kv_caches(indexer)
             worker.register_kv_caches(cache)
             workers.append(worker)
@@ -385,6 +398,23 @@ def build_engine(
         config,
         KVOutputAggregator(tp),
     )
+
+
+def rd2h_entry(
+    role: str, kv_port: int, backend: str = "nixl", extra: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """RD2H's own kv-transfer entry (the deployment guide's shape)."""
+    return {
+        "kv_connector": CONNECTOR_NAME,
+        "kv_connector_module_path": CONNECTOR_MODULE,
+        "kv_role": role,
+        "kv_port": kv_port,
+        "kv_connector_extra_config": {
+            "transfer_backend": backend,
+            **FAST_METASERVER,
+            **(extra or {}),
+        },
+    }
 
 
 def run_until(engines: Sequence[Engine], done: Callable[[], bool], timeout_s: float = 20.0) -> int:
