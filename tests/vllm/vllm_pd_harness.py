@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -143,6 +145,41 @@ def kv_caches(indexer: str) -> dict[str, torch.Tensor]:
     return caches
 
 
+class ThreadGather:
+    """A TP group of ``size`` ranks running in threads of one process (tests).
+
+    ``all_gather`` is a real collective: every rank blocks until all have entered it.
+    """
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._barrier = threading.Barrier(size)
+        self._slots: list[Any] = [None] * size
+
+    def member(self, rank: int) -> _Member:
+        return _Member(self, rank)
+
+    def gather(self, rank: int, obj: Any) -> list[Any]:
+        self._slots[rank] = obj
+        self._barrier.wait(timeout=20)
+        out = list(self._slots)
+        self._barrier.wait(timeout=20)  # nobody overwrites a slot before all have read
+        return out
+
+
+@dataclass(frozen=True)
+class _Member:
+    group: ThreadGather
+    rank: int
+
+    @property
+    def size(self) -> int:
+        return self.group.size
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        return self.group.gather(self.rank, obj)
+
+
 def rd2h_of(connector: object) -> SfaRemoteD2HConnector:
     """``connector`` itself, or the RD2H child of a multi-connector."""
     if isinstance(connector, SfaRemoteD2HConnector):
@@ -181,6 +218,8 @@ class Engine:
     on_layer: Callable[[int, int, int], None] | None = None
     #: Call ``on_kv_cache_written`` after each main layer's write, before save_kv_layer.
     cache_written_hook: bool = False
+    #: Run the TP workers of a step in parallel threads (needed for Decode TP > 1).
+    threaded: bool = False
     steps: int = 0
     load_errors: list[set[int]] = field(default_factory=list)
     failed_recving: list[set[str]] = field(default_factory=list)
@@ -216,40 +255,19 @@ class Engine:
         out = self.scheduler.schedule()
         meta = out.kv_connector_metadata
         assert meta is not None
-        outputs: list[ModelRunnerOutput | None] = []
-        for rank, worker in enumerate(self.workers):
-            worker.bind_connector_metadata(meta)
-            if out.total_num_scheduled_tokens > 0:
-                for layer, name in enumerate(MAIN):
-                    if self.indexer != "none":
-                        worker.wait_for_layer_load(INDEXER[layer])
-                        self._write(out, rank, layer, indexer=True)
-                        worker.save_kv_layer(
-                            INDEXER[layer], self.caches[rank][INDEXER[layer]], None
-                        )
-                    worker.wait_for_layer_load(name)
-                    self._write(out, rank, layer, indexer=False)
-                    if self.cache_written_hook:
-                        worker.on_kv_cache_written(name)  # vllm-ascend's earlier hook
-                    worker.save_kv_layer(name, self.caches[rank][name], None)
-                    if self.on_layer is not None:
-                        self.on_layer(self.steps, rank, layer)
-            worker.start_load_kv(None)
-            worker.wait_for_save()
-            results = worker.get_transfer_results(out.finished_req_ids)
-            side = rd2h_of(worker).decode
-            if side is not None:
-                for req_id, (main, idx) in side.last_failed.items():
-                    self.failed_blocks.append((rank, req_id, main, idx))
-            kv_out = KVConnectorOutput(
-                finished_sending=results.finished_sending or None,
-                finished_recving=results.finished_recving or None,
-                failed_recving=results.failed_recving,
-                invalid_block_ids=worker.get_block_ids_with_load_errors(),
-                kv_connector_stats=worker.get_kv_connector_stats(),
-            )
-            worker.clear_connector_metadata()
-            outputs.append(self._model_output(out, kv_out))
+        if self.threaded:
+            # Each TP rank in its own thread, as in vLLM: the Decode completion gather is
+            # a collective every rank enters.
+            with ThreadPoolExecutor(len(self.workers)) as pool:
+                futures = [
+                    pool.submit(self._run_worker, rank, worker, out)
+                    for rank, worker in enumerate(self.workers)
+                ]
+                outputs: list[ModelRunnerOutput | None] = [f.result(30) for f in futures]
+        else:
+            outputs = [
+                self._run_worker(rank, worker, out) for rank, worker in enumerate(self.workers)
+            ]
         merged = self.aggregator.aggregate(outputs)
         assert merged is not None
         kv_output = merged.kv_connector_output
@@ -264,6 +282,41 @@ class Engine:
                 self.stats.append(eco.scheduler_stats.kv_connector_stats)
         self.steps += 1
         return StepResult(out, engine_outputs, kv_output)
+
+    def _run_worker(self, rank: int, worker: Any, out: SchedulerOutput) -> ModelRunnerOutput:
+        """One TP worker's share of the step, as vLLM's model runner calls the connector."""
+        meta = out.kv_connector_metadata
+        assert meta is not None
+        worker.bind_connector_metadata(meta)
+        if out.total_num_scheduled_tokens > 0:
+            for layer, name in enumerate(MAIN):
+                if self.indexer != "none":
+                    worker.wait_for_layer_load(INDEXER[layer])
+                    self._write(out, rank, layer, indexer=True)
+                    worker.save_kv_layer(INDEXER[layer], self.caches[rank][INDEXER[layer]], None)
+                worker.wait_for_layer_load(name)
+                self._write(out, rank, layer, indexer=False)
+                if self.cache_written_hook:
+                    worker.on_kv_cache_written(name)  # vllm-ascend's earlier hook
+                worker.save_kv_layer(name, self.caches[rank][name], None)
+                if self.on_layer is not None:
+                    self.on_layer(self.steps, rank, layer)
+        worker.start_load_kv(None)
+        worker.wait_for_save()
+        results = worker.get_transfer_results(out.finished_req_ids)
+        side = rd2h_of(worker).decode
+        if side is not None:
+            for req_id, (main, idx) in side.last_failed.items():
+                self.failed_blocks.append((rank, req_id, main, idx))
+        kv_out = KVConnectorOutput(
+            finished_sending=results.finished_sending or None,
+            finished_recving=results.finished_recving or None,
+            failed_recving=results.failed_recving,
+            invalid_block_ids=worker.get_block_ids_with_load_errors(),
+            kv_connector_stats=worker.get_kv_connector_stats(),
+        )
+        worker.clear_connector_metadata()
+        return self._model_output(out, kv_out)
 
     def _model_output(self, out: SchedulerOutput, kv_out: KVConnectorOutput) -> ModelRunnerOutput:
         req_ids = list(out.num_scheduled_tokens)
@@ -354,6 +407,7 @@ def build_engine(
     extra: Mapping[str, Any] | None = None,
     backend: str = "nixl",
     wrap: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+    threaded: bool = False,
 ) -> Engine:
     """A Prefill (``kv_producer``) or Decode (``kv_consumer``) engine with ``tp`` workers.
 
@@ -374,12 +428,15 @@ def build_engine(
     )
     workers: list[Any] = []
     caches: list[dict[str, torch.Tensor]] = []
+    gather = ThreadGather(tp) if threaded else None
     try:
         for rank in range(tp):
             worker = worker_cls(config, KVConnectorRole.WORKER, kcc)
             ours = rd2h_of(worker)
             ours.control_options = FAST_CONTROL
-            ours.bind_tp_group(SingleRank(rank=rank, size=tp))
+            ours.bind_tp_group(
+                gather.member(rank) if gather is not None else SingleRank(rank=rank, size=tp)
+            )
             cache = kv_caches(indexer)
             worker.register_kv_caches(cache)
             workers.append(worker)
@@ -397,6 +454,7 @@ def build_engine(
         indexer,
         config,
         KVOutputAggregator(tp),
+        threaded=threaded,
     )
 
 
