@@ -113,6 +113,28 @@ class MachineSpec:
         )
 
 
+def stay(
+    trigger: str,
+    sources: Sequence[str],
+    effect: str | None = None,
+    *,
+    conditions: str | list[str] | None = None,
+) -> tuple[TransitionDecl, ...]:
+    """Self-transitions: ``trigger`` keeps each of ``sources`` in its state.
+
+    (``transitions`` spells this ``"dest": "="``; the table needs the state named.)
+    """
+    out: list[TransitionDecl] = []
+    for source in sources:
+        decl: TransitionDecl = {"trigger": trigger, "source": source, "dest": source}
+        if effect is not None:
+            decl["effect"] = effect
+        if conditions is not None:
+            decl["conditions"] = conditions
+        out.append(decl)
+    return tuple(out)
+
+
 class _GuardModel:
     """A model whose declared conditions all hold (guards are resolved before the lookup)."""
 

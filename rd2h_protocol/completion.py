@@ -40,7 +40,7 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
-from rd2h_protocol._machine import MachineSpec, TransitionDecl
+from rd2h_protocol._machine import MachineSpec, stay
 from rd2h_protocol.errors import ConfigError, LocalProtocolError, TopologyError
 
 __all__ = [
@@ -52,11 +52,6 @@ __all__ = [
     "CrossRankCompletion",
     "RankReport",
 ]
-
-
-def _stay(trigger: str, sources: Sequence[str], effect: str) -> tuple[TransitionDecl, ...]:
-    """Self-transitions: ``trigger`` keeps each of ``sources`` in its state."""
-    return tuple({"trigger": trigger, "source": s, "dest": s, "effect": effect} for s in sources)
 
 
 # -- contributor completion (one request on one Decode rank) -------------------------------
@@ -98,7 +93,7 @@ CONTRIBUTOR_COMPLETION: Final = MachineSpec(
             "conditions": "last_member",
             "effect": EFFECT_COMPLETE,
         },
-        *_stay(RECV_DONE_DUPLICATE, (CONTRIB_WAITING, CONTRIB_COMPLETE), EFFECT_IGNORE_DUPLICATE),
+        *stay(RECV_DONE_DUPLICATE, (CONTRIB_WAITING, CONTRIB_COMPLETE), EFFECT_IGNORE_DUPLICATE),
     ),
 )
 
@@ -221,7 +216,7 @@ CROSS_RANK_COMPLETION: Final = MachineSpec(
             "conditions": ["all_ranks_terminal", "not_mapped"],
             "effect": EFFECT_KEEP,
         },
-        *_stay(RECV_DUPLICATE_RANK, (XR_COLLECTING, XR_UNMAPPED), EFFECT_IGNORE_DUPLICATE),
+        *stay(RECV_DUPLICATE_RANK, (XR_COLLECTING, XR_UNMAPPED), EFFECT_IGNORE_DUPLICATE),
         {
             "trigger": LOCAL_MAPPED,
             "source": XR_UNMAPPED,

@@ -39,25 +39,10 @@ or our own decisions, ``RECV_*`` from the peer, ``TIMER_*`` when a deadline pass
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Final
 
-from rd2h_protocol._machine import MachineSpec, TransitionDecl
+from rd2h_protocol._machine import MachineSpec, stay
 from rd2h_protocol.completion import CONTRIBUTOR_COMPLETION, CROSS_RANK_COMPLETION
-
-
-def _stay(
-    trigger: str, sources: Sequence[str], effect: str | None = None
-) -> tuple[TransitionDecl, ...]:
-    """Self-transitions: ``trigger`` keeps each of ``sources`` in its state."""
-    out: list[TransitionDecl] = []
-    for source in sources:
-        decl: TransitionDecl = {"trigger": trigger, "source": source, "dest": source}
-        if effect is not None:
-            decl["effect"] = effect
-        out.append(decl)
-    return tuple(out)
-
 
 # -- Decode request ------------------------------------------------------------------------
 
@@ -130,7 +115,7 @@ DECODE_REQUEST: Final = MachineSpec(
             "effect": EFFECT_ACCEPT,
         },
         # Never write into the blocks of a request that stopped waiting.
-        *_stay(R_RECV_READINESS, _NOT_WAITING, EFFECT_ISOLATE),
+        *stay(R_RECV_READINESS, _NOT_WAITING, EFFECT_ISOLATE),
         {
             "trigger": R_LOCAL_READ_OK,
             "source": REQ_RECEIVING,
@@ -138,7 +123,7 @@ DECODE_REQUEST: Final = MachineSpec(
             "effect": EFFECT_PROGRESS,
         },
         # A read that was in flight when the request stopped waiting ends.
-        *_stay(R_LOCAL_READ_OK, _GIVEN_UP),
+        *stay(R_LOCAL_READ_OK, _GIVEN_UP),
         {
             "trigger": R_LOCAL_ALL_DONE,
             "source": REQ_RECEIVING,
@@ -153,21 +138,21 @@ DECODE_REQUEST: Final = MachineSpec(
             "effect": EFFECT_FAIL,
         },
         # The first reason to stop is the one reported; a late failure changes nothing.
-        *_stay(R_LOCAL_FAIL, _NOT_WAITING),
+        *stay(R_LOCAL_FAIL, _NOT_WAITING),
         {
             "trigger": R_RECV_ABORT,
             "source": list(REQ_ACTIVE),
             "dest": REQ_FAILED,
             "effect": EFFECT_FAIL,
         },
-        *_stay(R_RECV_ABORT, _NOT_WAITING),
+        *stay(R_RECV_ABORT, _NOT_WAITING),
         {
             "trigger": R_LOCAL_ABORT,
             "source": list(REQ_ACTIVE),
             "dest": REQ_ABORTED,
             "effect": EFFECT_FAIL,
         },
-        *_stay(R_LOCAL_ABORT, _NOT_WAITING),
+        *stay(R_LOCAL_ABORT, _NOT_WAITING),
         {
             "trigger": R_TIMER_LOAD_TIMEOUT,
             "source": list(REQ_ACTIVE),
@@ -371,11 +356,11 @@ DECODE_SESSION: Final = MachineSpec(
             "dest": SESSION_REFUSED,
             "effect": EFFECT_REFUSE_V2,
         },
-        *_stay(S_RECV_READINESS, [SESSION_V1, SESSION_V2], EFFECT_SERVE),
-        *_stay(S_RECV_READINESS, [SESSION_REFUSED], EFFECT_REPLY_REFUSED),
-        *_stay(S_RECV_READINESS, [SESSION_UNBOUND], EFFECT_REPLY_UNKNOWN_SESSION),
-        *_stay(S_RECV_ABORT, [SESSION_V1, SESSION_V2], EFFECT_SERVE),
-        *_stay(S_RECV_ABORT, [SESSION_UNBOUND, SESSION_REFUSED], EFFECT_DROP),
+        *stay(S_RECV_READINESS, [SESSION_V1, SESSION_V2], EFFECT_SERVE),
+        *stay(S_RECV_READINESS, [SESSION_REFUSED], EFFECT_REPLY_REFUSED),
+        *stay(S_RECV_READINESS, [SESSION_UNBOUND], EFFECT_REPLY_UNKNOWN_SESSION),
+        *stay(S_RECV_ABORT, [SESSION_V1, SESSION_V2], EFFECT_SERVE),
+        *stay(S_RECV_ABORT, [SESSION_UNBOUND, SESSION_REFUSED], EFFECT_DROP),
     ),
 )
 

@@ -55,27 +55,7 @@ from __future__ import annotations
 
 from typing import Final
 
-from rd2h_protocol._machine import MachineSpec, TransitionDecl
-
-
-def _stay(
-    trigger: str,
-    sources: list[str],
-    *,
-    effect: str | None = None,
-    conditions: str | list[str] | None = None,
-) -> tuple[TransitionDecl, ...]:
-    """Self-transitions: ``trigger`` keeps each of ``sources`` in its state."""
-    out: list[TransitionDecl] = []
-    for source in sources:
-        decl: TransitionDecl = {"trigger": trigger, "source": source, "dest": source}
-        if effect is not None:
-            decl["effect"] = effect
-        if conditions is not None:
-            decl["conditions"] = conditions
-        out.append(decl)
-    return tuple(out)
-
+from rd2h_protocol._machine import MachineSpec, stay
 
 # -- storage-slot gate ---------------------------------------------------------------------
 
@@ -118,7 +98,7 @@ STORAGE_GATE: Final = MachineSpec(
         },
         # Several Decode endpoints are told about the same layer: one publication each.
         {"trigger": G_LOCAL_PUBLISH, "source": GATE_CLOSED, "dest": GATE_CLOSED},
-        *_stay(G_RECV_REPLY, [GATE_CLOSED, GATE_EXPIRED], conditions="others_outstanding"),
+        *stay(G_RECV_REPLY, [GATE_CLOSED, GATE_EXPIRED], conditions="others_outstanding"),
         {
             "trigger": G_RECV_LAST_REPLY,
             "source": [GATE_CLOSED, GATE_EXPIRED],
@@ -126,7 +106,7 @@ STORAGE_GATE: Final = MachineSpec(
             "conditions": "last_outstanding",
             "effect": EFFECT_REOPEN,
         },
-        *_stay(G_LOCAL_RELEASE, [GATE_CLOSED, GATE_EXPIRED], conditions="others_outstanding"),
+        *stay(G_LOCAL_RELEASE, [GATE_CLOSED, GATE_EXPIRED], conditions="others_outstanding"),
         {
             "trigger": G_LOCAL_LAST_RELEASE,
             "source": [GATE_CLOSED, GATE_EXPIRED],
@@ -142,7 +122,7 @@ STORAGE_GATE: Final = MachineSpec(
             "dest": GATE_EXPIRED,
         },
         # ... its ABORT went out (emitted as a Send before this input).
-        *_stay(G_LOCAL_ABORT_SENT, [GATE_EXPIRED], conditions="others_outstanding"),
+        *stay(G_LOCAL_ABORT_SENT, [GATE_EXPIRED], conditions="others_outstanding"),
         {
             "trigger": G_LOCAL_LAST_ABORT_SENT,
             "source": GATE_EXPIRED,
@@ -152,7 +132,7 @@ STORAGE_GATE: Final = MachineSpec(
         },
         # ... its peer can never be told (v1) and the runtime declared it dead: both the
         # lease and the heartbeat have run out (the residual risk is in the endpoint docs).
-        *_stay(G_LOCAL_PEER_DEAD, [GATE_EXPIRED], conditions="others_outstanding"),
+        *stay(G_LOCAL_PEER_DEAD, [GATE_EXPIRED], conditions="others_outstanding"),
         {
             "trigger": G_LOCAL_LAST_PEER_DEAD,
             "source": GATE_EXPIRED,
@@ -162,7 +142,7 @@ STORAGE_GATE: Final = MachineSpec(
         },
         # ... UNSAFE, only with v1_lease_expiry="reopen": nobody told the peer, which may
         # still be reading. Kept for deployments that prefer v1's liveness to safety.
-        *_stay(
+        *stay(
             G_LOCAL_REOPEN_UNSAFE,
             [GATE_EXPIRED],
             conditions=["v1_lease_expiry_reopen", "others_outstanding"],
@@ -339,7 +319,7 @@ LAYER_PUBLICATION: Final = MachineSpec(
             "conditions": "lease_expired",
             "effect": EFFECT_RELEASE_HELD,
         },
-        *_stay(P_LOCAL_CONNECTION_LOST, [PUB_ORPHANED]),
+        *stay(P_LOCAL_CONNECTION_LOST, [PUB_ORPHANED]),
         {
             "trigger": P_TIMER_LEASE_EXPIRED,
             "source": PUB_ORPHANED,
@@ -377,14 +357,14 @@ LAYER_PUBLICATION: Final = MachineSpec(
         *(
             decl
             for trigger in _PUB_REPLIES
-            for decl in _stay(
+            for decl in stay(
                 trigger, [PUB_REQUEUED, PUB_REPLIED, PUB_FAILED], effect=EFFECT_COUNT_DUPLICATE
             )
         ),
         *(
             decl
             for trigger in _PUB_REPLIES
-            for decl in _stay(trigger, [PUB_EXPIRED, PUB_RELEASED], effect=EFFECT_COUNT_STALE)
+            for decl in stay(trigger, [PUB_EXPIRED, PUB_RELEASED], effect=EFFECT_COUNT_STALE)
         ),
     ),
 )
@@ -456,8 +436,8 @@ PREFILL_REQUEST: Final = MachineSpec(
             "effect": EFFECT_SCHEDULE,
         },
         # The scheduler does not know we stopped; its chunks for an ending request are moot.
-        *_stay(R_LOCAL_CHUNK, _REQ_ENDING, effect=EFFECT_IGNORE),
-        *_stay(R_LOCAL_FINAL_CHUNK, _REQ_ENDING, effect=EFFECT_IGNORE),
+        *stay(R_LOCAL_CHUNK, _REQ_ENDING, effect=EFFECT_IGNORE),
+        *stay(R_LOCAL_FINAL_CHUNK, _REQ_ENDING, effect=EFFECT_IGNORE),
         {
             "trigger": R_SEND_DONE,
             "source": REQ_FINAL_SCHEDULED,
@@ -477,22 +457,22 @@ PREFILL_REQUEST: Final = MachineSpec(
             "effect": EFFECT_RECORD_FAILURE,
         },
         # The first reason to stop is the one reported.
-        *_stay(R_RECV_FAILURE, _REQ_ENDING),
-        *_stay(R_LOCAL_FAILURE, _REQ_ENDING),
+        *stay(R_RECV_FAILURE, _REQ_ENDING),
+        *stay(R_LOCAL_FAILURE, _REQ_ENDING),
         {
             "trigger": R_LOCAL_ABORT,
             "source": _REQ_LIVE,
             "dest": REQ_ABORTING,
             "effect": EFFECT_SEND_ABORT,
         },
-        *_stay(R_LOCAL_ABORT, _REQ_ENDING),
+        *stay(R_LOCAL_ABORT, _REQ_ENDING),
         {
             "trigger": R_RECV_ABORT,
             "source": _REQ_LIVE,
             "dest": REQ_ABORTING,
             "effect": EFFECT_STOP,
         },
-        *_stay(R_RECV_ABORT, _REQ_ENDING),
+        *stay(R_RECV_ABORT, _REQ_ENDING),
         {
             "trigger": R_LOCAL_DRAINED,
             "source": REQ_FINAL_SENT,
@@ -569,7 +549,7 @@ CONNECTION_HANDSHAKE: Final = MachineSpec(
             "dest": CONN_HANDSHAKING,
             "effect": EFFECT_QUEUE,
         },
-        *_stay(C_LOCAL_PUBLISH, [CONN_READY_V1, CONN_READY_V2], effect=EFFECT_SEND),
+        *stay(C_LOCAL_PUBLISH, [CONN_READY_V1, CONN_READY_V2], effect=EFFECT_SEND),
         # The peer refused our layout or version: nothing will be read, fail at once.
         {
             "trigger": C_LOCAL_PUBLISH,
