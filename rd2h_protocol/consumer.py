@@ -51,10 +51,11 @@ them. ``read_failed`` is kept for what fails the whole layer.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Final, TypeAlias
+from typing import Annotated, Any, Final, TypeAlias
 
 import msgspec
 
@@ -133,6 +134,7 @@ from rd2h_protocol.messages import (
     ALL_CAPABILITIES,
     CAP_ABORT,
     CAP_ISOLATE,
+    MAX_BLOCKS_PER_REQUEST,
     MAX_FRAME_BYTES,
     MAX_REQUESTS_PER_BATCH,
     MAX_TEXT_LEN,
@@ -321,7 +323,7 @@ class ConsumerStats:
 
 
 class _Session:
-    __slots__ = ("caps", "layers", "name", "peer", "refusal", "state", "validated")
+    __slots__ = ("caps", "id_bound", "layers", "name", "peer", "refusal", "state", "validated")
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -329,6 +331,9 @@ class _Session:
         self.peer: bytes | None = None
         self.caps: frozenset[str] = frozenset()
         self.layers: dict[str, LayerLayout] = {}
+        # Every Prefill block id of the layout lies below this (None: a layout without
+        # num_blocks, which cannot be checked); see _decode_bounded.
+        self.id_bound: int | None = None
         self.refusal: tuple[ErrorCode, str] = (ErrorCode.UNKNOWN, "")
         # (layer_idx, layer_name) -> validated components, or the mismatch.
         self.validated: dict[
@@ -350,7 +355,7 @@ class _Request:
         "state",
     )
 
-    def __init__(self, ext_id: str, main_ids: list[int], indexer_ids: list[int]) -> None:
+    def __init__(self, ext_id: str, main_ids: Sequence[int], indexer_ids: Sequence[int]) -> None:
         self.ext_id = ext_id
         self.state = DECODE_REQUEST.initial
         self.main_ids = main_ids
@@ -367,6 +372,7 @@ class _Readiness:
         "accepted",
         "caps",
         "deadline",
+        "ids_below",
         "in_plan",
         "isolated",
         "missing",
@@ -381,10 +387,19 @@ class _Readiness:
         "state",
     )
 
-    def __init__(self, peer: bytes, session: str, msg: ReadReadyBatch, now: float) -> None:
+    def __init__(
+        self,
+        peer: bytes,
+        session: str,
+        msg: ReadReadyBatch,
+        now: float,
+        ids_below: int | None = None,
+    ) -> None:
         self.peer = peer
         self.session = session
         self.msg = msg
+        # Every Prefill block id of ``msg`` is below this (proven while decoding), or None.
+        self.ids_below = ids_below
         self.receipt = now
         self.state = DECODE_READINESS.initial
         self.start_by = None if msg.lease_ms is None else now + msg.lease_ms / 2000.0
@@ -430,6 +445,68 @@ def _check_source(layer: str, component: str, ids: Sequence[int], num_blocks: in
     """Prefill block ids must lie in ``[0, num_blocks)`` when the layout says ``num_blocks``."""
     if num_blocks is not None and ids and max(ids) >= num_blocks:  # max(): no per-id Python
         check_source_blocks(layer, component, ids, num_blocks)
+
+
+def _frozen_ids(ids: Sequence[int]) -> Sequence[int]:
+    """A request's destination ids, kept immutable: a ``range`` when they are contiguous
+    (plans then carry no per-id data for them), else a tuple (a whole-tuple slice is the
+    tuple itself, so plans share it instead of copying)."""
+    if isinstance(ids, range) and ids.step == 1:
+        return ids
+    held = tuple(ids)
+    n = len(held)
+    if n > 1 and isinstance(held[0], int) and isinstance(held[-1], int):
+        first = held[0]
+        if held[-1] - first == n - 1 and held == tuple(range(first, first + n)):
+            return range(first, first + n)
+    return held
+
+
+def _part(ids: Sequence[int], start: int, end: int) -> Sequence[int]:
+    """``ids[start:end]``, without a copy when that is all of ``ids``."""
+    return ids if start == 0 and end == len(ids) else ids[start:end]
+
+
+def _id_bound(layers: Mapping[str, LayerLayout]) -> int | None:
+    """The smallest ``num_blocks`` of a Prefill layout; None if a layer does not say it."""
+    bound: int | None = None
+    for layout in layers.values():
+        if layout.num_blocks is None:
+            return None
+        bound = layout.num_blocks if bound is None else min(bound, layout.num_blocks)
+    return bound
+
+
+# A readiness frame as every encoder writes it: a fixarray (at most 9 fields), then the
+# tag as bin8. Other spellings take the general path (codec.decode), which judges them.
+_READINESS_HEAD: Final = b"\xc4" + bytes([len(TAG_READ_READY_BATCH)]) + TAG_READ_READY_BATCH
+
+
+@functools.lru_cache(maxsize=64)
+def _bounded_decoder(bound: int) -> msgspec.msgpack.Decoder[ReadReadyBatch]:
+    """A readiness decoder that also refuses any Prefill block id ``>= bound``.
+
+    The message types are :class:`ReadReadyBatch` / :class:`ReadReq` subclasses that
+    differ only in the block-id element type, so a frame it accepts decodes to the same
+    field values as :func:`~rd2h_protocol.codec.decode` would give. msgspec checks the
+    bound while it builds each int anyway: the per-request source-range check then costs
+    nothing for the usual message, with no Python work per id. Cached per bound (every
+    session of one model has the same ``num_blocks``).
+    """
+    # Types built at run time (the bound is data), hence Any for the type checker.
+    block_id: Any = Annotated[int, msgspec.Meta(ge=0, lt=bound)]
+    ids: Any = Annotated[list[block_id], msgspec.Meta(max_length=MAX_BLOCKS_PER_REQUEST)]
+    entry: Any = msgspec.defstruct(
+        "_BoundedReadReq",
+        [("main_block_ids", ids), ("indexer_block_ids", ids | None, None)],
+        bases=(ReadReq,),
+    )
+    entries: Any = Annotated[list[entry], msgspec.Meta(max_length=MAX_REQUESTS_PER_BATCH)]
+    batch: Any = msgspec.defstruct(
+        "_BoundedReadReadyBatch", [("read_reqs", entries)], bases=(ReadReadyBatch,), kw_only=True
+    )
+    decoder: msgspec.msgpack.Decoder[ReadReadyBatch] = msgspec.msgpack.Decoder(batch)
+    return decoder
 
 
 def _as_int(value: object, high: int) -> int | None:
@@ -593,7 +670,7 @@ class ConsumerEndpoint:
         """
         if ext_req_id in self._requests:
             raise LocalProtocolError(f"request {ext_req_id!r} is already registered")
-        main, idx = list(main_block_ids), list(indexer_block_ids)
+        main, idx = _frozen_ids(main_block_ids), _frozen_ids(indexer_block_ids)
         limits = (("main", main, self._main_limit), ("indexer", idx, self._indexer_limit))
         for what, ids, limit in limits:
             if ids and (min(ids) < 0 or (limit is not None and max(ids) >= limit)):
@@ -676,6 +753,10 @@ class ConsumerEndpoint:
         (and ``seq``, when present) can be read, it still gets a failure reply and the
         known requests it names fail, so no Prefill gate waits for it.
         """
+        bounded = self._decode_bounded(peer, frame)
+        if bounded is not None:
+            readiness, ids_below = bounded
+            return self._receive(peer, readiness, now, ids_below)
         try:
             msg = decode(frame)
         except RemoteProtocolError as exc:
@@ -693,11 +774,40 @@ class ConsumerEndpoint:
             return self._flush()
         return self.receive(peer, msg, now)
 
+    def _decode_bounded(self, peer: bytes, frame: bytes) -> tuple[ReadReadyBatch, int] | None:
+        """A readiness from a session whose layout bounds every Prefill block id, decoded
+        with that bound checked, and the bound; None to take the general path.
+
+        None covers every frame this cannot vouch for: not a readiness as encoders write
+        it, no bound known, too big, malformed, or ANY id at or past the bound. The
+        general path then decodes it again and finds the offending requests one by one
+        (isolating them), so an out-of-range id costs a second decode, never a guarantee.
+        """
+        session = self._session_of(peer)
+        if (
+            session is None
+            or session.id_bound is None
+            or not len(_READINESS_HEAD) < len(frame) <= MAX_FRAME_BYTES
+            or not 0x91 <= frame[0] <= 0x9F
+            or frame[1 : 1 + len(_READINESS_HEAD)] != _READINESS_HEAD
+        ):
+            return None
+        try:
+            msg = _bounded_decoder(session.id_bound).decode(frame)
+        except Exception:  # out of bound or malformed: the general path judges it
+            return None
+        return msg, session.id_bound
+
     def receive(self, peer: bytes, msg: Message, now: float) -> list[Output]:
         """Handle one decoded message from ``peer``; never raises."""
+        return self._receive(peer, msg, now, None)
+
+    def _receive(
+        self, peer: bytes, msg: Message, now: float, ids_below: int | None
+    ) -> list[Output]:
         try:
             if isinstance(msg, ReadReadyBatch):
-                self._on_readiness(peer, msg, now)
+                self._on_readiness(peer, msg, now, ids_below)
             elif isinstance(msg, MfMeta):
                 self._on_mf_meta(peer, msg)
             elif isinstance(msg, Abort):
@@ -733,6 +843,7 @@ class ConsumerEndpoint:
         effect, session.state = DECODE_SESSION.step(session.state, event, RemoteProtocolError)
         session.validated = {}
         session.layers = layers
+        session.id_bound = _id_bound(layers)
         session.caps = frozenset(msg.capabilities or ()) & self._caps if v2 else frozenset()
         if effect == EFFECT_ACK_V1:
             self.stats.handshakes += 1
@@ -808,11 +919,13 @@ class ConsumerEndpoint:
 
     # -- readiness -------------------------------------------------------------------------
 
-    def _on_readiness(self, peer: bytes, msg: ReadReadyBatch, now: float) -> None:
+    def _on_readiness(
+        self, peer: bytes, msg: ReadReadyBatch, now: float, ids_below: int | None
+    ) -> None:
         session = self._session_of(peer)
         state = SESSION_UNBOUND if session is None else session.state
         effect, _ = DECODE_SESSION.step(state, S_RECV_READINESS, RemoteProtocolError)
-        rd = _Readiness(peer, "" if session is None else session.name, msg, now)
+        rd = _Readiness(peer, "" if session is None else session.name, msg, now, ids_below)
         if effect == EFFECT_REPLY_UNKNOWN_SESSION:
             self.stats.unknown_session += 1
             # A v2 Prefill (seq present) re-handshakes and replays this message once, so
@@ -934,7 +1047,7 @@ class ConsumerEndpoint:
                     raise RemoteProtocolError("the request appears more than once in the message")
                 if req.contributors is not None:
                     req.contributors.check_ratio(msg.tp_ratio)
-                read = None if entry is None else self._share(req, entry, src, msg, bool(indexer))
+                read = None if entry is None else self._share(req, entry, src, rd, bool(indexer))
             except ProtocolError as exc:
                 self._isolate(rd, ext, exc.code, exc.message)
                 self._request_event(req, R_LOCAL_FAIL, now, exc.code, exc.message)
@@ -967,11 +1080,19 @@ class ConsumerEndpoint:
         req: _Request,
         rr: ReadReq,
         src: LayerLayout,
-        msg: ReadReadyBatch,
+        rd: _Readiness,
         has_indexer: bool,
     ) -> RequestRead:
-        """This rank's blocks of one readiness entry, mapped to the request's own ids."""
-        member, cfg = msg.group_member_idx, self.config
+        """This rank's blocks of one readiness entry, mapped to the request's own ids.
+
+        No id is copied when the share is the whole entry: the plan holds the message's
+        own lists and the request's own (immutable) destination ids.
+        """
+        msg, cfg = rd.msg, self.config
+        member = msg.group_member_idx
+        num_blocks = src.num_blocks
+        if num_blocks is not None and rd.ids_below is not None and rd.ids_below <= num_blocks:
+            num_blocks = None  # every Prefill id of the message is below it: checked already
         main_ids = rr.main_block_ids
         start, end = main_share(len(main_ids), cfg.d_rank, cfg.d_tp, rr.main_start_block, member)
         main_src: Sequence[int] = ()
@@ -980,9 +1101,9 @@ class ConsumerEndpoint:
             base, _ = check_destination_range(
                 req.ext_id, "main", rr.main_start_block, len(main_ids), len(req.main_ids)
             )
-            main_src = main_ids[start:end]
+            main_src = _part(main_ids, start, end)
             main_dst = req.main_ids[base + start : base + end]
-            _check_source(msg.layer_name, "main", main_src, src.num_blocks)
+            _check_source(msg.layer_name, "main", main_src, num_blocks)
         idx_src: Sequence[int] = ()
         idx_dst: Sequence[int] = ()
         if has_indexer:
@@ -991,9 +1112,9 @@ class ConsumerEndpoint:
                 req.ext_id, "indexer", rr.indexer_start_block, len(idx_ids), len(req.indexer_ids)
             )
             start, end = indexer_share(len(idx_ids), member, msg.tp_ratio, rr.indexer_start_block)
-            idx_src = idx_ids[start:end]
+            idx_src = _part(idx_ids, start, end)
             idx_dst = req.indexer_ids[base + start : base + end]
-            _check_source(msg.layer_name, "indexer", idx_src, src.num_blocks)
+            _check_source(msg.layer_name, "indexer", idx_src, num_blocks)
         return RequestRead(req.ext_id, main_src, main_dst, idx_src, idx_dst)
 
     def _not_waiting(self, req: _Request) -> tuple[ErrorCode, str]:

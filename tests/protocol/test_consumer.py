@@ -1317,3 +1317,82 @@ def test_hostile_frames_never_raise(fields: list[Any], noise: bytes) -> None:
             if isinstance(out, StartRead):
                 ep.read_finished(out.plan.read_id, None, 1.0)
     assert set(ep.requests()) <= {"r1"}
+
+
+# -- fast paths keep the checks ------------------------------------------------------------
+
+
+def _array16(msg: ReadReadyBatch) -> bytes:
+    """``msg`` spelled with an array16 header (legal msgpack, unlike what encoders write)."""
+    frame = encode(msg)
+    assert 0x91 <= frame[0] <= 0x9F
+    return b"\xdc" + (frame[0] & 0x0F).to_bytes(2, "big") + frame[1:]
+
+
+@pytest.mark.parametrize("bad_id", [None, NUM_BLOCKS - 1, NUM_BLOCKS])
+def test_readiness_decodes_alike_on_every_path(
+    bad_id: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A session with num_blocks decodes readiness with the bound checked; any other
+    spelling (or an id at the bound) takes the general path: same plan, same reply."""
+    fast: list[bool] = []
+    bounded = ConsumerEndpoint._decode_bounded
+
+    def spy(self: ConsumerEndpoint, peer: bytes, frame: bytes) -> Any:
+        result = bounded(self, peer, frame)
+        fast.append(result is not None)
+        return result
+
+    monkeypatch.setattr(ConsumerEndpoint, "_decode_bounded", spy)
+    seen = []
+    for frame_of in (encode, _array16):
+        ep = ready()
+        ep.add_request("r1", [3, 4], [5], 0.0)
+        ep.add_request("r2", [6], [7], 0.0)
+        last = 9 if bad_id is None else bad_id
+        msg = rrb(0, [rr("r1", [1, 2], [8]), rr("r2", [0], [last])], seq=1)
+        outs = ep.receive_frame(PEER, frame_of(msg), 0.0)
+        plans = [
+            (r.ext_req_id, *map(list, (r.main_src, r.main_dst, r.indexer_src, r.indexer_dst)))
+            for o in of(outs, StartRead)
+            for r in o.plan.requests
+        ]
+        seen.append((plans, replies(finish(ep, outs))))
+    # the handshake, then the readiness: fast unless spelled otherwise or out of bound
+    assert fast == [False, bad_id != NUM_BLOCKS, False, False]
+    assert seen[0] == seen[1]
+    plans, (reply,) = seen[0]
+    if bad_id == NUM_BLOCKS:
+        assert [(f.ext_req_id, f.code) for f in reply.failed] == [("r2", ErrorCode.OUT_OF_RANGE)]
+        assert [p[0] for p in plans] == ["r1"]
+    else:
+        assert reply.failed is None
+        assert plans[1] == ("r2", [0], [6], [last], [7])
+
+
+def test_source_ids_checked_against_the_layout_in_force_when_served() -> None:
+    """Ids proven below the bound of the layout at decode time are checked again when the
+    session re-handshakes with fewer blocks while the message is parked."""
+    ep = ready()
+    send(ep, rrb(0, [rr("r1", [200], [1])], seq=1))  # r1 unknown: parked
+    small = {name: src_layout(num_blocks=100) for name in LAYER_NAMES}
+    send(ep, meta(layouts=small))
+    reply = replies(ep.add_request("r1", [0], [0], 0.0))[0]
+    assert [(f.ext_req_id, f.code) for f in reply.failed] == [("r1", ErrorCode.OUT_OF_RANGE)]
+
+
+@pytest.mark.parametrize(
+    "dst",
+    [range(4, 8), range(4, 12, 2), [4, 5, 6, 7], [7, 4, 5, 6], (9,), [], [4, 5, 7, 8]],
+    ids=repr,
+)
+def test_destination_ids_of_any_shape_plan_and_fail_alike(dst: Sequence[int]) -> None:
+    ep = ready()
+    ep.add_request("r1", dst, dst, 0.0)
+    n = len(dst)
+    outs = send(ep, rrb(0, [rr("r1", list(range(n)))], seq=1))
+    if n:
+        (read,) = only(outs, StartRead).plan.requests
+        assert list(read.main_dst) == list(dst) and list(read.indexer_dst) == list(dst)
+    failed = only(ep.abort(["r1"], "test", 0.0), RequestFailed)
+    assert failed.main_block_ids == tuple(dst) and failed.indexer_block_ids == tuple(dst)
