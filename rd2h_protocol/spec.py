@@ -253,5 +253,5 @@ def main(argv: Iterable[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # pragma: no cover - run as a subprocess in the tests
     sys.exit(main())
