@@ -55,7 +55,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"rd2h bench: unknown benchmark(s) {', '.join(unknown)}; have {', '.join(found)}")
         return 2
     failed = []
-    for name in args.names or list(found):
+    chosen = args.names or list(found)
+    for name in chosen:
         print(f"\n=== {name} ({found[name].name}) ===", flush=True)
         start = time.perf_counter()
         try:
@@ -66,10 +67,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"--- {name}: exit {code} in {time.perf_counter() - start:.1f} s", flush=True)
         if code:
             failed.append(name)
-    print(
-        f"\n{len(found) - len(failed) if not args.names else len(args.names) - len(failed)} ok"
-        f", {len(failed)} failed{': ' + ', '.join(failed) if failed else ''}"
-    )
+    summary = f"{len(chosen) - len(failed)} ok, {len(failed)} failed"
+    print(f"\n{summary}: {', '.join(failed)}" if failed else f"\n{summary}")
     return 1 if failed else 0
 
 

@@ -1,0 +1,64 @@
+"""The `rd2h` command: dispatch, help, and `rd2h bench` discovery."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rd2h_runtime import bench, cli
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_help_lists_every_subcommand(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main([]) == 0
+    out = capsys.readouterr().out
+    for name in ("demo", "check-read", "bench", "spec", "proxy"):
+        assert f"  {name} " in out
+
+
+def test_unknown_command_exits_2_with_usage(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["launch"]) == 2
+    assert "unknown command 'launch'" in capsys.readouterr().err
+
+
+def test_subcommand_arguments_reach_the_module(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["bench", "--list"]) == 0
+    listed = capsys.readouterr().out.split()
+    assert {"codec", "planning", "machines", "control_plane"} <= set(listed)
+
+
+def test_bench_refuses_unknown_names_and_empty_folders(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert bench.main(["nope"]) == 2
+    assert "unknown benchmark(s) nope" in capsys.readouterr().out
+    assert bench.main(["--dir", str(tmp_path)]) == 2
+    assert "no bench_*.py" in capsys.readouterr().out
+
+
+def test_bench_runs_the_named_scripts_and_reports_failures(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "bench_ok.py").write_text("def main(argv):\n    print('ratio 12x')\n    return 0\n")
+    (tmp_path / "bench_bad.py").write_text("def main(argv):\n    raise RuntimeError('boom')\n")
+    assert bench.main(["--dir", str(tmp_path), "ok"]) == 0
+    assert "ratio 12x" in capsys.readouterr().out
+    assert bench.main(["--dir", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert "bad: RuntimeError: boom" in out
+    assert "1 ok, 1 failed: bad" in out
+
+
+def test_console_script_is_installed() -> None:
+    exe = shutil.which("rd2h")
+    command = [exe] if exe else [sys.executable, "-m", "rd2h_runtime.cli"]
+    proc = subprocess.run(
+        [*command, "--help"], capture_output=True, text=True, timeout=60, check=False, cwd=ROOT
+    )
+    assert proc.returncode == 0
+    assert "usage: rd2h <command>" in proc.stdout
