@@ -6,9 +6,12 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from rd2h_protocol.errors import ConfigError, MissingExtra, TransferError
 from rd2h_runtime.transfer import RegionSet, create_backend, merge_regions
@@ -59,6 +62,58 @@ def test_region_set_empty_and_add() -> None:
     regions.add([(0, 5)])
     regions.add([(5, 5)])
     assert regions.regions == [(0, 10)] and regions.first_outside(*one) == -1
+
+
+def _first_outside_reference(
+    regions: list[tuple[int, int]], addrs: list[int], lens: list[int]
+) -> int:
+    for i, (a, n) in enumerate(zip(addrs, lens, strict=True)):
+        if not any(start <= a and a + n <= start + size for start, size in regions):
+            return i
+    return -1
+
+
+def test_region_set_first_outside_over_many_chunks() -> None:
+    """Stretches in one region pass as a whole; a chunk mixing regions is checked range by
+    range; the first bad range is found wherever it sits."""
+    regions = RegionSet([(1 << 20, 1 << 20), (1 << 30, 1 << 20)])
+    n = 5000
+    rng = np.random.default_rng(0)
+    addrs = (1 << 20) + rng.integers(0, (1 << 20) - 64, n).astype(np.uint64)
+    addrs[2500:] += np.uint64((1 << 30) - (1 << 20))  # second half: the other region
+    addrs[1500:1600:2] += np.uint64((1 << 30) - (1 << 20))  # a chunk alternating regions
+    lens = np.full(n, 64, dtype=np.uint64)
+    assert regions.first_outside(addrs, lens) == -1
+    for bad in (0, 1023, 1024, 1551, 4999):
+        broken = lens.copy()
+        broken[bad] = 1 << 21  # runs past its region
+        assert regions.first_outside(addrs, broken) == bad
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(0, 1 << 14), st.integers(1, 1 << 12)), min_size=1, max_size=4),
+    st.lists(st.tuples(st.integers(0, 1 << 15), st.integers(1, 1 << 10)), min_size=1, max_size=40),
+    st.integers(1, 3000),
+    st.randoms(use_true_random=False),
+)
+def test_region_set_first_outside_matches_a_plain_loop(
+    regions: list[tuple[int, int]], pool: list[tuple[int, int]], n: int, rnd: Any
+) -> None:
+    """Against the definition, with batches long enough to span several chunks."""
+
+    def inside() -> tuple[int, int]:
+        a, size = rnd.choice(regions)
+        off = rnd.randrange(size)
+        return a + off, rnd.randint(1, size - off)
+
+    # Mostly ranges inside a region, a few from anywhere (inside or not).
+    picked = [inside() if rnd.random() < 0.995 else rnd.choice(pool) for _ in range(n)]
+    addrs, lens = [a for a, _ in picked], [ln for _, ln in picked]
+    got = RegionSet(regions).first_outside(
+        np.array(addrs, dtype=np.uint64), np.array(lens, dtype=np.uint64)
+    )
+    assert got == _first_outside_reference(merge_regions(regions), addrs, lens)
 
 
 def test_as_u64_accepts_lists_and_arrays_and_refuses_the_rest() -> None:
