@@ -14,6 +14,7 @@ from collections.abc import Iterator
 
 import pytest
 from conftest import VllmConfigFactory
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorLogging
 from vllm.v1.request import RequestStatus
 from vllm_metaserver_harness import MetaServer
 from vllm_pd_harness import (
@@ -81,6 +82,18 @@ def test_kv_arrives_byte_exact_and_decode_runs(
     assert total == 2 * 2 * 3 * 2048  # layers x (K, V) x blocks x bytes per block
     events = [s["protocol_events"] for s in prefill.stats if s.get("protocol_events")]
     assert sum(e.get("publications", 0) for e in events) == 2
+    # vLLM's front-end log line, rebuilt by the connector class vLLM resolves from config.
+    ktc = decode.vllm_config.kv_transfer_config
+    assert ktc is not None
+    log = KVConnectorLogging(ktc)
+    for data in decode.stats:
+        log.observe(data)
+    lines: list[str] = []
+    log.log(log_fn=lambda fmt, *args: lines.append(fmt % args))  # type: ignore[no-untyped-call]
+    reads_total = sum(v[0] for r in reads for v in r.values())
+    assert reads_total == 2  # one batched read per layer
+    assert f"RD2H reads={reads_total}" in lines[0]
+    assert f"RD2H read MB={round(total / 2**20, 3)}" in lines[0]
 
 
 def test_chunked_prefill_sends_each_chunk(

@@ -1,0 +1,121 @@
+"""Start-up errors through the connector itself: constructor and register_kv_caches.
+
+vLLM builds the connector from the user's --kv-transfer-config; a bad configuration must
+stop start-up there with ONE message that says what to change (rd2h_vllm.config holds the
+rules, tested in depth in test_vllm_config.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from conftest import VllmConfigFactory
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm_pd_harness import FAST_METASERVER, NUM_BLOCKS, kv_cache_config, kv_caches
+
+from rd2h_protocol.errors import ConfigError
+from rd2h_vllm.config import CONNECTOR_MODULE, CONNECTOR_NAME
+from rd2h_vllm.connector import SfaRemoteD2HConnector
+from rd2h_vllm.destinations import HostPoolDestinations, LayerSpec
+from rd2h_vllm.worker import SingleRank
+
+
+def transfer(role: str, kv_port: int = 20050, **extra: Any) -> dict[str, Any]:
+    return {
+        "kv_connector": CONNECTOR_NAME,
+        "kv_connector_module_path": CONNECTOR_MODULE,
+        "kv_role": role,
+        "kv_port": kv_port,
+        "kv_connector_extra_config": {"transfer_backend": "nixl", **FAST_METASERVER, **extra},
+    }
+
+
+def build(
+    make_vllm_config: VllmConfigFactory,
+    kv_transfer: dict[str, Any],
+    role: KVConnectorRole = KVConnectorRole.WORKER,
+    **config: Any,
+) -> SfaRemoteD2HConnector:
+    vllm_config = make_vllm_config(kv_transfer, **config)
+    connector = KVConnectorFactory.create_connector(vllm_config, role, kv_cache_config("none"))
+    assert isinstance(connector, SfaRemoteD2HConnector)
+    return connector
+
+
+@pytest.mark.parametrize(
+    ("kv_transfer", "config", "expected"),
+    [
+        (transfer("kv_producer", transfer_backend="rdma"), {}, "transfer_backend='rdma'"),
+        (
+            transfer("kv_consumer", memfabric_transfer_protocol="pcie"),
+            {},
+            "memfabric_transfer_protocol",
+        ),
+        (
+            transfer("kv_producer"),
+            {"additional_config": {"sparse_kv_offload_config": {"enabled": True}}},
+            "remove sparse_kv_offload_config from Prefill",
+        ),
+        (transfer("kv_consumer", kv_port=65535), {"tp": 2}, "does not leave room"),
+        (transfer("kv_producer", peer_tp_size=4), {"tp": 2}, "Prefill TP must be a multiple"),
+        ({**transfer("kv_consumer"), "kv_role": "kv_both"}, {}, "kv_both"),
+    ],
+)
+def test_bad_configuration_stops_the_constructor(
+    make_vllm_config: VllmConfigFactory,
+    kv_transfer: dict[str, Any],
+    config: dict[str, Any],
+    expected: str,
+) -> None:
+    for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
+        with pytest.raises(ConfigError, match=expected):
+            build(make_vllm_config, kv_transfer, role, **config)
+
+
+def test_every_problem_in_one_message(make_vllm_config: VllmConfigFactory) -> None:
+    bad = transfer("kv_producer", transfer_backend="rdma", lease_ms=0, tpyo=1)
+    with pytest.raises(ConfigError) as info:
+        build(make_vllm_config, bad)
+    text = str(info.value)
+    assert "3 problems" in text
+    assert "transfer_backend" in text and "lease_ms" in text and "tpyo" in text
+
+
+def test_interleaved_kv_layout_is_refused_at_registration(
+    make_vllm_config: VllmConfigFactory,
+) -> None:
+    connector = build(make_vllm_config, transfer("kv_producer"))
+    connector.bind_tp_group(SingleRank())
+    caches = {name: torch.zeros((NUM_BLOCKS, 2, 16, 2, 16)) for name in kv_caches("none")}
+    with pytest.raises(ConfigError, match="interleaves K and V"):
+        connector.register_kv_caches(caches)
+    assert connector.prefill is None
+
+
+def test_decode_with_sparse_offload_needs_a_destination_provider(
+    make_vllm_config: VllmConfigFactory,
+) -> None:
+    sparse = {"sparse_kv_offload_config": {"enabled": True}}
+    connector = build(make_vllm_config, transfer("kv_consumer"), additional_config=sparse)
+    connector.bind_tp_group(SingleRank())
+    with pytest.raises(ConfigError, match="set_destination_provider"):
+        connector.register_kv_caches(kv_caches("none"))
+    # With vllm-ascend's manager bound (any provider here), registration goes through.
+    provider = HostPoolDestinations(
+        [LayerSpec(name, 2048, 2048) for name in kv_caches("none")], NUM_BLOCKS
+    )
+    connector.set_destination_provider(provider)
+    try:
+        connector.register_kv_caches(kv_caches("none"))
+        assert connector.destinations is provider
+    finally:
+        connector.shutdown()
+
+
+def test_tp_without_vllm_group_is_refused(make_vllm_config: VllmConfigFactory) -> None:
+    connector = build(make_vllm_config, transfer("kv_producer"), tp=2)
+    with pytest.raises(ConfigError, match="TP group is not initialised"):
+        connector.register_kv_caches(kv_caches("none"))
