@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -37,6 +38,7 @@ from rd2h_runtime.transfer import TransferBackend
 from rd2h_runtime.transfer.base import U64Array
 from rd2h_runtime.transfer.loopback import LoopbackBackend
 from rd2h_vllm.connector import SfaRemoteD2HConnector
+from rd2h_vllm.destinations import DeviceEvents
 
 
 class FlakyLoopback(LoopbackBackend):
@@ -192,3 +194,73 @@ def test_prefill_tp2_to_decode_tp1(make_vllm_config: VllmConfigFactory, server: 
         for worker in prefill.workers:
             side = worker.prefill
             assert side is not None and side.is_idle()
+
+
+def test_prefill_abort_mid_prompt_fails_the_decode_load(
+    make_vllm_config: VllmConfigFactory, server: MetaServer
+) -> None:
+    decode = build_engine(
+        make_vllm_config, "kv_consumer", kv_port=free_port_block(1), failure_policy="recompute"
+    )
+    prefill = build_engine(make_vllm_config, "kv_producer", max_num_batched_tokens=32)
+    with engines(prefill, decode):
+        prompt = list(range(96))
+        d_req = decode.add(
+            make_request("cmpl-pa-0-00000001", prompt, remote_prefill_params(server.url), 2)
+        )
+        [rendezvous] = rendezvous_after_post(decode, server, 1)
+        p_req = prefill.add(make_request("cmpl-pa-0-00000002", prompt, rendezvous.to_params(), 1))
+        prefill.step()  # the first chunk is published
+        prefill.scheduler.finish_requests(p_req.request_id, RequestStatus.FINISHED_ABORTED)
+        # Published: Prefill keeps the blocks until no Decode read of them can happen.
+        assert p_req.request_id in prefill.scheduler.requests
+        run_until([prefill, decode], lambda: bool(decode.failed_recving))
+        assert decode.failed_recving == [{d_req.request_id}]
+        run_until([prefill, decode], lambda: p_req.request_id not in prefill.scheduler.requests)
+        run_until([decode], lambda: status(d_req) == RequestStatus.RUNNING)
+        assert d_req.num_computed_tokens == len(prompt)  # recomputed on Decode
+        assert sum(s.get("aborts_received", 0) for s in decode.stats) >= 1
+        side = prefill.workers[0].prefill
+        assert side is not None and side.is_idle()
+
+
+class SlowEvent:
+    """A device event that completes 20 ms after it is recorded (an async scatter)."""
+
+    def __init__(self) -> None:
+        self.at = 0.0
+
+    def record(self) -> None:
+        self.at = time.monotonic() + 0.02
+
+    def query(self) -> bool:
+        return time.monotonic() >= self.at
+
+    def synchronize(self) -> None:
+        time.sleep(max(0.0, self.at - time.monotonic()))
+
+
+def test_layers_published_after_their_device_event_in_order(
+    make_vllm_config: VllmConfigFactory, server: MetaServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import rd2h_vllm.connector as connector_module
+
+    monkeypatch.setattr(
+        connector_module, "device_events", lambda device: DeviceEvents("cuda", SlowEvent)
+    )
+    decode = build_engine(make_vllm_config, "kv_consumer", kv_port=free_port_block(1))
+    prefill = build_engine(make_vllm_config, "kv_producer", max_num_batched_tokens=32)
+    with engines(prefill, decode):
+        prompt = list(range(80))
+        d_req = decode.add(
+            make_request("cmpl-ev-0-00000001", prompt, remote_prefill_params(server.url), 2)
+        )
+        [rendezvous] = rendezvous_after_post(decode, server, 1)
+        prefill.add(make_request("cmpl-ev-0-00000002", prompt, rendezvous.to_params(), 1))
+        run_until([prefill, decode], lambda: status(d_req) == RequestStatus.RUNNING)
+        assert decode.mismatches("cmpl-ev-0", decode.block_ids(d_req.request_id)[0]) == []
+        side = prefill.workers[0].prefill
+        assert side is not None
+        assert side._publisher._thread is not None  # the events really were waited for
+        assert side._publisher.errors == []
+        run_until([prefill, decode], lambda: not prefill.scheduler.requests)
