@@ -163,9 +163,16 @@ class SfaRemoteD2HConnector(Rd2hMetricsMixin, KVConnectorBase_V1, SupportsHMA):
             raise ConfigError("register_kv_caches was called twice")
         tp = self._tp if self._tp is not None else default_tp_group(self.config)
         num_blocks = self._kv_cache_config.num_blocks
-        layers = split_kv_caches(kv_caches, num_blocks)
-        model_type = str(getattr(self._vllm_config.model_config.hf_config, "model_type", ""))
-        compat = compat_string(layers, self.groups, model_type)
+        provided = self._destinations if self.config.is_consumer else None
+        # A Decode with a destination provider may keep no main KV of its own.
+        layers = [] if provided is not None else split_kv_caches(kv_caches, num_blocks)
+        num_layers = len(provided.layer_names) if provided is not None else len(layers)
+        compat = compat_string(
+            model_type=str(getattr(self._vllm_config.model_config.hf_config, "model_type", "")),
+            kv_dtype=self._kv_dtype(),
+            block_sizes=self.groups.block_sizes,
+            num_layers=num_layers,
+        )
         backend = self.create_backend("prefill" if self.config.is_producer else "decode")
         try:
             if self.config.is_producer:
@@ -219,6 +226,13 @@ class SfaRemoteD2HConnector(Rd2hMetricsMixin, KVConnectorBase_V1, SupportsHMA):
         except BaseException:
             backend.close()
             raise
+
+    def _kv_dtype(self) -> str:
+        """The KV cache dtype from configuration ("auto" means the model's dtype)."""
+        cache_dtype = str(self._vllm_config.cache_config.cache_dtype)
+        if cache_dtype == "auto":
+            return str(self._vllm_config.model_config.dtype)
+        return cache_dtype
 
     @property
     def destinations(self) -> DestinationProvider | None:

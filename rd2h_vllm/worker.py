@@ -230,15 +230,16 @@ def split_kv_caches(kv_caches: Mapping[str, Any], num_blocks: int) -> list[Layer
     return out
 
 
-def compat_string(layers: Sequence[LayerTensors], groups: CacheGroups, model_type: str = "") -> str:
-    """What both sides must agree on: layout version, model, dtypes, block sizes, layers."""
-    first = layers[0]
-    dtypes = [str(first.k.dtype)]
-    if first.indexer is not None:
-        dtypes.append(str(first.indexer.dtype))
+def compat_string(
+    *, model_type: str, kv_dtype: str, block_sizes: Sequence[int], num_layers: int
+) -> str:
+    """What both sides must agree on before any byte moves (the v2 handshake's ``compat``):
+    how layouts are derived, the model family, the KV dtype, the KV-cache groups' block
+    sizes and the number of cache-bearing layers. Built from configuration both sides
+    have (not from tensors: a Decode with a destination provider may hold no main KV)."""
     return (
-        f"rd2h-layout-{LAYOUT_VERSION};model={model_type};dtypes={','.join(dtypes)};"
-        f"block_sizes={','.join(map(str, groups.block_sizes))};layers={len(layers)}"
+        f"rd2h-layout-{LAYOUT_VERSION};model={model_type};kv_dtype={kv_dtype};"
+        f"block_sizes={','.join(map(str, block_sizes))};layers={num_layers}"
     )
 
 

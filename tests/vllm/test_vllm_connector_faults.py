@@ -264,3 +264,41 @@ def test_layers_published_after_their_device_event_in_order(
         assert side._publisher._thread is not None  # the events really were waited for
         assert side._publisher.errors == []
         run_until([prefill, decode], lambda: not prefill.scheduler.requests)
+
+
+class Fp8Connector(SfaRemoteD2HConnector):
+    """A Decode configured with another KV dtype than its Prefill."""
+
+    def _kv_dtype(self) -> str:
+        return "fp8"
+
+
+def test_incompatible_peers_are_refused_before_any_byte_moves(
+    make_vllm_config: VllmConfigFactory, server: MetaServer
+) -> None:
+    decode = build_engine(
+        make_vllm_config,
+        "kv_consumer",
+        kv_port=free_port_block(1),
+        worker_cls=Fp8Connector,
+        failure_policy="recompute",
+        extra={"kv_load_timeout_s": 3.0},
+    )
+    prefill = build_engine(make_vllm_config, "kv_producer")
+    with engines(prefill, decode):
+        prompt = list(range(40))
+        d_req = decode.add(
+            make_request("cmpl-cx-0-00000001", prompt, remote_prefill_params(server.url), 2)
+        )
+        [rendezvous] = rendezvous_after_post(decode, server, 1)
+        p_req = prefill.add(make_request("cmpl-cx-0-00000002", prompt, rendezvous.to_params(), 1))
+        run_until([prefill, decode], lambda: bool(decode.failed_recving), timeout_s=15.0)
+        assert decode.failed_recving == [{d_req.request_id}]
+        pool = decode.destinations()
+        for block in decode.block_ids(d_req.request_id)[0]:
+            assert not torch.any(pool.tensor(MAIN[0], "k")[block] != 0).item()
+        run_until([prefill, decode], lambda: p_req.request_id not in prefill.scheduler.requests)
+        failures = {k for s in prefill.stats for k in s.get("failures", {})}
+        assert failures, "Prefill recorded no failure"
+        side = decode.rd2h().decode
+        assert side is not None and side.worker.stats.refused_handshakes >= 1
