@@ -117,8 +117,8 @@ class TpGroup(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class SingleRank:
-    """TP size 1, or one rank of a TP group simulated in one process (``rank`` given,
-    ``gather`` supplied by the test)."""
+    """TP size 1, or one rank of a Prefill TP group simulated in one process: only
+    Decode gathers, so a rank with ``size`` > 1 refuses to."""
 
     rank: int = 0
     size: int = 1
@@ -289,13 +289,6 @@ def host_pool_specs(layers: Sequence[LayerTensors], num_blocks: int) -> list[Lay
     return specs
 
 
-def _with_indexers(index: dict[str, int], by_number: Mapping[int | None, int]) -> dict[str, int]:
-    # Indexer layers are looked up lazily by number (their names are not known here).
-    index = dict(index)
-    index.update({f"#layers.{n}": i for n, i in by_number.items() if n is not None})
-    return index
-
-
 # -- Prefill ---------------------------------------------------------------------------------
 
 
@@ -397,10 +390,11 @@ class PrefillSide:
         self.groups = groups
         self._events = events
         self._layers = [layer.name for layer in layers]
-        self._index = _with_indexers(
-            {name: i for i, name in enumerate(self._layers)},
-            {layer_number(name): i for i, name in enumerate(self._layers)},
-        )
+        self._index = {name: i for i, name in enumerate(self._layers)}
+        # An indexer cache belongs to the main layer with the same ``layers.N``.
+        self._by_number = {
+            n: i for i, name in enumerate(self._layers) if (n := layer_number(name)) is not None
+        }
         self.stats = Rd2hKVConnectorStats()
         self._counters = CounterDelta()
         self._lock = threading.Lock()
@@ -453,7 +447,8 @@ class PrefillSide:
         """The wire index of a main layer, or of the main layer an indexer belongs to."""
         idx = self._index.get(layer_name)
         if idx is None and "indexer" in layer_name:
-            idx = self._index.get(f"#layers.{layer_number(layer_name)}")
+            number = layer_number(layer_name)
+            idx = self._by_number.get(number) if number is not None else None
         return idx
 
     # -- the step ----------------------------------------------------------------------------
@@ -741,12 +736,18 @@ class DecodeSide:
         load = _Load(spec, in_endpoint=False)
         self._loads[spec.req_id] = load
         if spec.ext_id in self._by_ext:
+            # Two live loads under one external id: Prefill could not tell them apart.
+            # Every rank sees the same metadata, so each fails this one on its own (the
+            # cross-rank rule, keyed by external id, would confuse it with the other).
             other = self._by_ext[spec.ext_id]
-            load.failed_locally = (
-                ErrorCode.UNKNOWN_REQUEST,
-                f"external id {spec.ext_id!r} is already loading for request {other!r}",
+            logger.error(
+                "request %s: external id %r is already loading for request %s",
+                spec.req_id,
+                spec.ext_id,
+                other,
             )
-            self._local_outcome(load)
+            self.stats.record_failure(ErrorCode.UNKNOWN_REQUEST)
+            load.finished = load.failed = load.released = True
             return
         self._by_ext[spec.ext_id] = spec.req_id
         try:

@@ -302,3 +302,24 @@ def test_incompatible_peers_are_refused_before_any_byte_moves(
         assert failures, "Prefill recorded no failure"
         side = decode.rd2h().decode
         assert side is not None and side.worker.stats.refused_handshakes >= 1
+
+
+def test_a_second_load_under_a_live_external_id_fails_alone(
+    make_vllm_config: VllmConfigFactory, server: MetaServer
+) -> None:
+    decode = build_engine(
+        make_vllm_config, "kv_consumer", kv_port=free_port_block(1), failure_policy="recompute"
+    )
+    prefill = build_engine(make_vllm_config, "kv_producer")
+    with engines(prefill, decode):
+        prompt = list(range(40))
+        params = remote_prefill_params(server.url)
+        first = decode.add(make_request("cmpl-dup-0-00000001", prompt, params, 2))
+        second = decode.add(make_request("cmpl-dup-0-00000002", prompt[::-1], params, 2))
+        rendezvous = rendezvous_after_post(decode, server, 2)[0]
+        run_until([decode], lambda: bool(decode.failed_recving))
+        assert decode.failed_recving == [{second.request_id}]
+        prefill.add(make_request("cmpl-dup-0-10000000", prompt, rendezvous.to_params(), 1))
+        run_until([prefill, decode], lambda: status(first) == RequestStatus.RUNNING)
+        assert decode.mismatches("cmpl-dup-0", decode.block_ids(first.request_id)[0]) == []
+        run_until([prefill, decode], lambda: not prefill.scheduler.requests)
