@@ -323,3 +323,39 @@ def test_a_second_load_under_a_live_external_id_fails_alone(
         run_until([prefill, decode], lambda: status(first) == RequestStatus.RUNNING)
         assert decode.mismatches("cmpl-dup-0", decode.block_ids(first.request_id)[0]) == []
         run_until([prefill, decode], lambda: not prefill.scheduler.requests)
+
+
+def test_decode_gone_mid_prompt_prefill_recovers_after_the_lease(
+    make_vllm_config: VllmConfigFactory, server: MetaServer
+) -> None:
+    decode = build_engine(make_vllm_config, "kv_consumer", kv_port=free_port_block(1))
+    prefill = build_engine(
+        make_vllm_config,
+        "kv_producer",
+        max_num_batched_tokens=32,
+        extra={"lease_ms": 1000, "handshake_timeout_s": 1.0},
+    )
+    with engines(prefill, decode):
+        prompt = list(range(96))
+        decode.add(
+            make_request("cmpl-gone-0-00000001", prompt, remote_prefill_params(server.url), 2)
+        )
+        [rendezvous] = rendezvous_after_post(decode, server, 1)
+
+        def kill_decode(step: int, rank: int, layer: int) -> None:
+            if step == 1 and layer == 0:
+                for worker in decode.workers:  # the Decode process dies mid-prompt
+                    worker.shutdown()
+
+        prefill.on_layer = kill_decode
+        p_req = prefill.add(make_request("cmpl-gone-0-00000002", prompt, rendezvous.to_params(), 1))
+        start = time.monotonic()
+        run_until([prefill], lambda: p_req.request_id not in prefill.scheduler.requests)
+        # The gates held by the dead peer reopened once the lease ran out, no sooner
+        # than the reply could have come, and Prefill's compute path never raised.
+        assert time.monotonic() - start < 10.0
+        assert p_req.status == RequestStatus.FINISHED_LENGTH_CAPPED
+        side = prefill.workers[0].prefill
+        assert side is not None and side.is_idle() and side.worker.errors == []
+        failures = {k for s in prefill.stats for k in s.get("failures", {})}
+        assert failures & {"LEASE_EXPIRED", "CONNECTION_LOST", "TIMEOUT"}, failures
