@@ -6,6 +6,7 @@ import logging
 import sys
 import types
 from pathlib import Path
+from typing import Any
 
 import pytest
 from vllm.config import KVTransferConfig
@@ -109,3 +110,31 @@ def test_replace_switch_takes_the_name_over(
     monkeypatch.setenv(plugin.REPLACE_ENV, "1")
     plugin.register()
     assert KVConnectorFactory.get_connector_class_by_name(CONNECTOR_NAME) is fake_connector_module
+
+
+def test_the_guides_json_builds_the_real_connector_by_name(
+    clean_registry: type[object], make_vllm_config: Any
+) -> None:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm_pd_harness import kv_cache_config
+
+    from rd2h_vllm.connector import SfaRemoteD2HConnector
+
+    plugin.register()
+    guide = {  # the deployment guide's Decode JSON, unchanged: no module path
+        "kv_connector": CONNECTOR_NAME,
+        "kv_role": "kv_consumer",
+        "kv_port": 20050,
+        "kv_connector_extra_config": {"transfer_backend": "memfabric", "use_layerwise": True},
+    }
+    config = make_vllm_config(guide, attach_after=False)
+    connector = KVConnectorFactory.create_connector(
+        config, KVConnectorRole.SCHEDULER, kv_cache_config("none")
+    )
+    assert isinstance(connector, SfaRemoteD2HConnector)
+    try:
+        assert type(connector) is SfaRemoteD2HConnector
+        assert connector.config.transfer_backend == "memfabric"
+        assert connector.config.base_port == 20050
+    finally:
+        connector.shutdown()
