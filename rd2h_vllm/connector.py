@@ -162,6 +162,7 @@ class SfaRemoteD2HConnector(Rd2hMetricsMixin, KVConnectorBase_V1, SupportsHMA):
         if self.prefill is not None or self.decode is not None:
             raise ConfigError("register_kv_caches was called twice")
         tp = self._tp if self._tp is not None else default_tp_group(self.config)
+        self._tp = tp
         num_blocks = self._kv_cache_config.num_blocks
         provided = self._destinations if self.config.is_consumer else None
         # A Decode with a destination provider may keep no main KV of its own.
@@ -322,6 +323,7 @@ class SfaRemoteD2HConnector(Rd2hMetricsMixin, KVConnectorBase_V1, SupportsHMA):
             if part is not None:
                 part.close()
         if self._own_destinations is not None:
+            # One rank removes the shared pool file (the others' mappings stay valid).
             self._own_destinations.close(unlink=self._tp is None or self._tp.rank == 0)
         if self._poster is not None:
             self._poster.close()
