@@ -27,6 +27,10 @@ from rd2h_vllm.config import CONNECTOR_MODULE, CONNECTOR_NAME
 
 logger = logging.getLogger(__name__)
 
+#: The ordering multi-connector (RD2H first; the slot-reuse waiter handed to the store).
+MULTI_CONNECTOR_NAME: Final = "Rd2hMultiConnector"
+MULTI_CONNECTOR_MODULE: Final = "rd2h_vllm.multi"
+
 #: Environment switch: take the connector name over from another package.
 REPLACE_ENV: Final = "RD2H_REPLACE_CONNECTOR"
 
@@ -34,13 +38,19 @@ _registered_by_us = False
 
 
 def register() -> None:
-    """Register ``SfaRemoteD2HConnector`` -> ``rd2h_vllm.connector`` with vLLM.
+    """Register ``SfaRemoteD2HConnector`` -> ``rd2h_vllm.connector`` and
+    ``Rd2hMultiConnector`` -> ``rd2h_vllm.multi`` with vLLM.
 
     Safe to call any number of times, in any process (vLLM may call it repeatedly).
-    The connector module is imported only when vLLM first asks for the class.
+    The connector modules are imported only when vLLM first asks for a class.
     """
     global _registered_by_us
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    if MULTI_CONNECTOR_NAME not in KVConnectorFactory._registry:
+        KVConnectorFactory.register_connector(
+            MULTI_CONNECTOR_NAME, MULTI_CONNECTOR_MODULE, MULTI_CONNECTOR_NAME
+        )
 
     if CONNECTOR_NAME in KVConnectorFactory._registry:
         if _registered_by_us:

@@ -24,6 +24,7 @@ def clean_registry(monkeypatch: pytest.MonkeyPatch) -> type[object]:
     """vLLM's connector registry and our flag, restored after the test."""
     monkeypatch.setattr(KVConnectorFactory, "_registry", dict(KVConnectorFactory._registry))
     KVConnectorFactory._registry.pop(CONNECTOR_NAME, None)
+    KVConnectorFactory._registry.pop(plugin.MULTI_CONNECTOR_NAME, None)
     monkeypatch.setattr(plugin, "_registered_by_us", False)
     monkeypatch.delenv(plugin.REPLACE_ENV, raising=False)
     return type("Marker", (), {})
@@ -138,3 +139,12 @@ def test_the_guides_json_builds_the_real_connector_by_name(
         assert connector.config.base_port == 20050
     finally:
         connector.shutdown()
+
+
+def test_the_ordering_multi_connector_is_registered_by_name(clean_registry: type[object]) -> None:
+    from rd2h_vllm.multi import Rd2hMultiConnector
+
+    plugin.register()
+    plugin.register()
+    found = KVConnectorFactory.get_connector_class_by_name(plugin.MULTI_CONNECTOR_NAME)
+    assert found is Rd2hMultiConnector
