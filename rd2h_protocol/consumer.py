@@ -482,31 +482,85 @@ def _id_bound(layers: Mapping[str, LayerLayout]) -> int | None:
 _READINESS_HEAD: Final = b"\xc4" + bytes([len(TAG_READ_READY_BATCH)]) + TAG_READ_READY_BATCH
 
 
-@functools.lru_cache(maxsize=64)
-def _bounded_decoder(bound: int) -> msgspec.msgpack.Decoder[ReadReadyBatch]:
-    """A readiness decoder that also refuses any Prefill block id ``>= bound``.
+class _SharedIdsReadReq(ReadReq):
+    """A readiness entry whose indexer ids, when equal to its main ids, are the SAME object.
 
-    The message types are :class:`ReadReadyBatch` / :class:`ReadReq` subclasses that
-    differ only in the block-id element type, so a frame it accepts decodes to the same
-    field values as :func:`~rd2h_protocol.codec.decode` would give. msgspec checks the
-    bound while it builds each int anyway: the per-request source-range check then costs
-    nothing for the usual message, with no Python work per id. Cached per bound (every
-    session of one model has the same ``num_blocks``).
+    Prefill sends the same ids twice when both caches share one block table (the usual
+    case); one object lets the planner unbox them once per read. Comparing two equal
+    sequences costs less than unboxing one, and unequal ones differ early.
+    """
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.indexer_block_ids == self.main_block_ids:
+            self.indexer_block_ids = self.main_block_ids
+
+
+# A readiness whose entries are left undecoded (msgspec.Raw): every other field is decoded
+# and checked exactly as ReadReadyBatch's (it is a subclass that overrides one field).
+_READINESS_SHELL: Final[Any] = msgspec.defstruct(
+    "_ReadinessShell", [("read_reqs", msgspec.Raw)], bases=(ReadReadyBatch,), kw_only=True
+)
+_SHELL_DECODER: Final = msgspec.msgpack.Decoder(_READINESS_SHELL)
+_BATCH_FIELDS: Final = tuple(f for f in ReadReadyBatch.__struct_fields__ if f != "read_reqs")
+_EMPTY_ARRAY: Final = b"\x90"
+# Sessions whose last readiness entries are remembered (see _decode_bounded).
+_ENTRY_CACHE_SESSIONS: Final = 64
+
+
+@functools.lru_cache(maxsize=64)
+def _bounded_entries(bound: int) -> msgspec.msgpack.Decoder[list[ReadReq]]:
+    """A decoder of readiness entries that also refuses any Prefill block id ``>= bound``.
+
+    The entry type is a :class:`ReadReq` subclass that differs only in the block-id
+    element type (and holds the ids as tuples: immutable, so the runtime may key caches
+    on them), so entries it accepts carry the same values as
+    :func:`~rd2h_protocol.codec.decode` would give. msgspec checks the bound while it
+    builds each int anyway: the per-request source-range check then costs nothing for
+    the usual message, with no Python work per id. Cached per bound (every session of one
+    model has the same ``num_blocks``).
     """
     # Types built at run time (the bound is data), hence Any for the type checker.
     block_id: Any = Annotated[int, msgspec.Meta(ge=0, lt=bound)]
-    ids: Any = Annotated[list[block_id], msgspec.Meta(max_length=MAX_BLOCKS_PER_REQUEST)]
+    ids: Any = Annotated[tuple[block_id, ...], msgspec.Meta(max_length=MAX_BLOCKS_PER_REQUEST)]
     entry: Any = msgspec.defstruct(
         "_BoundedReadReq",
         [("main_block_ids", ids), ("indexer_block_ids", ids | None, None)],
-        bases=(ReadReq,),
+        bases=(_SharedIdsReadReq,),
     )
     entries: Any = Annotated[list[entry], msgspec.Meta(max_length=MAX_REQUESTS_PER_BATCH)]
-    batch: Any = msgspec.defstruct(
-        "_BoundedReadReadyBatch", [("read_reqs", entries)], bases=(ReadReadyBatch,), kw_only=True
-    )
-    decoder: msgspec.msgpack.Decoder[ReadReadyBatch] = msgspec.msgpack.Decoder(batch)
+    decoder: msgspec.msgpack.Decoder[list[ReadReq]] = msgspec.msgpack.Decoder(entries)
     return decoder
+
+
+def _entries_offset(frame: bytes | memoryview) -> int | None:
+    """Where ``read_reqs`` starts in a readiness frame (after the head, ``layer_idx`` and
+    ``layer_name``); None for spellings of those two that encoders do not write."""
+    try:
+        pos = 1 + len(_READINESS_HEAD)
+        head = frame[pos]
+        if head <= 0x7F:  # positive fixint
+            pos += 1
+        elif 0xCC <= head <= 0xCE:  # uint8, uint16, uint32
+            pos += 1 + (1 << (head - 0xCC))
+        else:
+            return None
+        head = frame[pos]
+        if 0xA0 <= head <= 0xBF:  # fixstr
+            return pos + 1 + (head & 0x1F)
+        if head == 0xD9:  # str8
+            return pos + 2 + frame[pos + 1]
+        if head == 0xDA:  # str16
+            return pos + 3 + int.from_bytes(frame[pos + 1 : pos + 3], "big")
+    except IndexError:
+        pass
+    return None
+
+
+def _with_entries(shell: ReadReadyBatch, entries: list[ReadReq]) -> ReadReadyBatch:
+    """The plain :class:`ReadReadyBatch` of a decoded shell and its decoded entries."""
+    fields = {name: getattr(shell, name) for name in _BATCH_FIELDS}
+    return ReadReadyBatch(read_reqs=entries, **fields)
 
 
 def _as_int(value: object, high: int) -> int | None:
@@ -574,6 +628,8 @@ class ConsumerEndpoint:
         self._next_park_id = 1
         self._out: list[Output] = []
         self._aborts: dict[str, tuple[list[str], str]] = {}
+        # session -> (bytes, decoded entries) of its last readiness entries
+        self._entry_cache: OrderedDict[str, tuple[bytes, list[ReadReq]]] = OrderedDict()
 
     @staticmethod
     def _destination_limits(
@@ -671,6 +727,8 @@ class ConsumerEndpoint:
         if ext_req_id in self._requests:
             raise LocalProtocolError(f"request {ext_req_id!r} is already registered")
         main, idx = _frozen_ids(main_block_ids), _frozen_ids(indexer_block_ids)
+        if idx == main:
+            idx = main  # one object: the planner unboxes shared ids once per read
         limits = (("main", main, self._main_limit), ("indexer", idx, self._indexer_limit))
         for what, ids, limit in limits:
             if ids and (min(ids) < 0 or (limit is not None and max(ids) >= limit)):
@@ -782,6 +840,13 @@ class ConsumerEndpoint:
         it, no bound known, too big, malformed, or ANY id at or past the bound. The
         general path then decodes it again and finds the offending requests one by one
         (isolating them), so an out-of-range id costs a second decode, never a guarantee.
+
+        Every layer of an engine step carries the same entries, byte for byte; only the
+        layer, ``seq`` and done ids differ. So the session's last entries are kept with
+        their bytes: when the same bytes stand at the entries' place (msgpack values
+        delimit themselves, so equal bytes there are the same value), the frame is decoded
+        with an empty array in their place and given the kept entries, which were decoded
+        and bound-checked already; the ids are decoded once per step, not per layer.
         """
         session = self._session_of(peer)
         if (
@@ -792,11 +857,26 @@ class ConsumerEndpoint:
             or frame[1 : 1 + len(_READINESS_HEAD)] != _READINESS_HEAD
         ):
             return None
+        bound = session.id_bound
+        # Kept entries were checked against this bound: a handshake drops them.
+        cached = self._entry_cache.get(session.name)
         try:
-            msg = _bounded_decoder(session.id_bound).decode(frame)
+            if cached is not None:
+                raw, entries = cached
+                at = _entries_offset(frame)
+                if at is not None and memoryview(frame)[at : at + len(raw)] == raw:
+                    self._entry_cache.move_to_end(session.name)
+                    rest = b"".join((frame[:at], _EMPTY_ARRAY, frame[at + len(raw) :]))
+                    return _with_entries(_SHELL_DECODER.decode(rest), entries), bound
+            shell = _SHELL_DECODER.decode(frame)
+            entries = _bounded_entries(bound).decode(shell.read_reqs)
         except Exception:  # out of bound or malformed: the general path judges it
             return None
-        return msg, session.id_bound
+        self._entry_cache[session.name] = (bytes(shell.read_reqs), entries)
+        self._entry_cache.move_to_end(session.name)
+        while len(self._entry_cache) > _ENTRY_CACHE_SESSIONS:
+            self._entry_cache.popitem(last=False)
+        return _with_entries(shell, entries), bound
 
     def receive(self, peer: bytes, msg: Message, now: float) -> list[Output]:
         """Handle one decoded message from ``peer``; never raises."""
@@ -844,6 +924,7 @@ class ConsumerEndpoint:
         session.validated = {}
         session.layers = layers
         session.id_bound = _id_bound(layers)
+        self._entry_cache.pop(session.name, None)
         session.caps = frozenset(msg.capabilities or ()) & self._caps if v2 else frozenset()
         if effect == EFFECT_ACK_V1:
             self.stats.handshakes += 1

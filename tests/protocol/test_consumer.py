@@ -1396,3 +1396,152 @@ def test_destination_ids_of_any_shape_plan_and_fail_alike(dst: Sequence[int]) ->
         assert list(read.main_dst) == list(dst) and list(read.indexer_dst) == list(dst)
     failed = only(ep.abort(["r1"], "test", 0.0), RequestFailed)
     assert failed.main_block_ids == tuple(dst) and failed.indexer_block_ids == tuple(dst)
+
+
+def _respelled(msg: ReadReadyBatch, idx: bytes, name: bytes) -> bytes:
+    """``msg``'s frame with ``layer_idx`` and ``layer_name`` spelled as given."""
+    frame = encode(msg)
+    std = 1 + 18 + len(msgspec.msgpack.encode(msg.layer_idx))
+    std += len(msgspec.msgpack.encode(msg.layer_name))
+    return frame[:19] + idx + name + frame[std:]
+
+
+def _name_spellings(name: bytes) -> dict[str, bytes]:
+    n = len(name)
+    return {
+        "fixstr": bytes([0xA0 | n]) + name,
+        "str8": b"\xd9" + n.to_bytes(1, "big") + name,
+        "str16": b"\xda" + n.to_bytes(2, "big") + name,
+        "str32": b"\xdb" + n.to_bytes(4, "big") + name,
+    }
+
+
+_IDX_SPELLINGS = {
+    "fixint": b"\x01",
+    "uint8": b"\xcc\x01",
+    "uint16": b"\xcd\x00\x01",
+    "uint32": b"\xce\x00\x00\x00\x01",
+    "uint64": b"\xcf" + (1).to_bytes(8, "big"),
+}
+
+
+@pytest.mark.parametrize("idx", list(_IDX_SPELLINGS))
+@pytest.mark.parametrize("name", ["fixstr", "str8", "str16", "str32"])
+def test_every_spelling_of_layer_and_name_is_read_alike(idx: str, name: str) -> None:
+    """Legal msgpack spellings of the fields before the entries: the entries' offset is
+    found for those encoders write (else None), and the endpoint answers all alike."""
+    from rd2h_protocol.consumer import _entries_offset
+
+    def run(frame: bytes) -> tuple[list[Any], list[Any]]:
+        ep = ready()
+        ep.add_request("r1", [3, 4], [5], 0.0)
+        first = ep.receive_frame(PEER, encode(rrb(0, [rr("r1", [1, 2], [8])], seq=1)), 0.0)
+        finish(ep, first)  # the entries are kept now
+        outs = ep.receive_frame(PEER, frame, 0.0)
+        reads = [list(r.main_src) for o in of(outs, StartRead) for r in o.plan.requests]
+        return reads, replies(finish(ep, outs))
+
+    msg = rrb(1, [rr("r1", [1, 2], [8])], seq=2)
+    spelled = _respelled(msg, _IDX_SPELLINGS[idx], _name_spellings(LAYER_NAMES[1].encode())[name])
+    offset = _entries_offset(spelled)
+    if idx == "uint64" or name == "str32":
+        assert offset is None
+    else:
+        assert offset is not None and spelled[offset:] == encode(msg)[-len(spelled) + offset :]
+    assert run(spelled) == run(encode(msg)) == ([[1, 2]], [ReadDone(layer_idx=1, seq=2)])
+
+
+def test_entries_offset_of_a_cut_frame_is_none() -> None:
+    from rd2h_protocol.consumer import _entries_offset
+
+    msg = rrb(0, [rr("r1", [1])], seq=1)
+    frame = encode(msg)
+    for cut in (19, 20):  # nothing, or only layer_idx, after the head
+        assert _entries_offset(frame[:cut]) is None
+    str8 = _respelled(msg, b"\x00", _name_spellings(LAYER_NAMES[0].encode())["str8"])
+    assert _entries_offset(str8[:21]) is None  # cut inside the name's length
+
+
+def test_repeated_entries_are_decoded_once_and_read_alike() -> None:
+    """Every layer of a step carries the same entries: they are decoded once (the plans of
+    later layers hold the very same id objects) and read exactly as if decoded anew."""
+    ep = ready()
+    ep.add_request("r1", [10, 11], [12, 13], 0.0)
+    ep.add_request("r2", [20], [21], 0.0)
+    entries = [rr("r1", [1, 2], [3, 4]), rr("r2", [5], [5])]
+
+    def layer(ep: ConsumerEndpoint, i: int, seq: int, done: Sequence[str] = ()) -> Any:
+        outs = ep.receive_frame(PEER, encode(rrb(i, entries, seq=seq, done=done)), 0.0)
+        plan = only(outs, StartRead).plan
+        return plan, replies(finish(ep, outs))
+
+    plans = [layer(ep, i, i + 1) for i in range(NUM_LAYERS)]
+    ids = [[(r.main_src, r.indexer_src) for r in p.requests] for p, _ in plans]
+    for later in ids[1:]:
+        assert all(a is b and c is d for (a, c), (b, d) in zip(ids[0], later, strict=True))
+    assert ids[0][1][0] is ids[0][1][1]  # equal main and indexer ids: one object
+    # the same as a fresh endpoint decoding each message alone
+    for i, (plan, reply) in enumerate(plans):
+        fresh = ready()
+        fresh.add_request("r1", [10, 11], [12, 13], 0.0)
+        fresh.add_request("r2", [20], [21], 0.0)
+        plan2, reply2 = layer(fresh, i, i + 1)
+        assert reply == reply2
+        assert [
+            list(map(list, (r.main_src, r.main_dst, r.indexer_src, r.indexer_dst)))
+            for r in plan.requests
+        ] == [
+            list(map(list, (r.main_src, r.main_dst, r.indexer_src, r.indexer_dst)))
+            for r in plan2.requests
+        ]
+    # other entries, or a new handshake: decoded again
+    entries[1] = rr("r2", [6], [6])
+    plan, _ = layer(ep, 0, 10)
+    assert list(plan.requests[1].main_src) == [6] and plan.requests[0].main_src is not ids[0][0][0]
+    same, _ = layer(ep, 1, 11)
+    assert same.requests[0].main_src is plan.requests[0].main_src
+    send(ep, meta())
+    again, _ = layer(ep, 2, 1)
+    assert again.requests[0].main_src is not plan.requests[0].main_src
+
+
+def test_kept_entries_never_vouch_for_the_rest_of_a_frame() -> None:
+    """Known entries followed by a bad field: refused exactly as the general path does."""
+    ep = ready()
+    ep.add_request("r1", [10], [12], 0.0)
+    finish(ep, send(ep, rrb(0, [rr("r1", [1])], seq=1)))
+    bad = rrb(1, [rr("r1", [1])], seq=2)
+    frame = bytearray(encode(bad))
+    assert frame[-1] == 2  # seq, the last field: make it a negative int
+    frame[-1] = 0xFF
+    outs = ep.receive_frame(PEER, bytes(frame), 0.0)
+    assert of(outs, StartRead) == [] and ep.stats.malformed_frames == 1
+    fresh = ready()
+    fresh.add_request("r1", [10], [12], 0.0)
+    assert replies(fresh.receive_frame(PEER, bytes(frame), 0.0)) == replies(outs)
+    # a frame cut short after the head is malformed too
+    assert ep.receive_frame(PEER, bytes(frame[:22]), 0.0) == []
+    assert ep.stats.malformed_frames == 2
+
+
+def test_entries_kept_for_a_bounded_number_of_sessions() -> None:
+    from rd2h_protocol import consumer
+
+    ep = endpoint()
+    peers = [f"peer-{i}".encode() for i in range(consumer._ENTRY_CACHE_SESSIONS + 1)]
+    for i, peer in enumerate(peers):
+        send(ep, meta(f"p{i}"), peer=peer)
+        ep.add_request(f"r{i}", [0], [0], 0.0)
+        finish(ep, send(ep, rrb(0, [rr(f"r{i}", [1])], seq=1), peer=peer))
+    assert len(ep._entry_cache) == consumer._ENTRY_CACHE_SESSIONS
+    assert "p0" not in ep._entry_cache and f"p{len(peers) - 1}" in ep._entry_cache
+
+
+def test_kept_entries_are_checked_again_after_a_handshake_shrinks_the_layout() -> None:
+    ep = ready()
+    ep.add_request("r1", [10], [12], 0.0)
+    msg = rrb(0, [rr("r1", [200])], seq=1)
+    finish(ep, send(ep, msg))  # id 200 < 256: read, and the entries are kept
+    send(ep, meta(layouts={name: src_layout(num_blocks=100) for name in LAYER_NAMES}))
+    reply = replies(send(ep, msg))[0]
+    assert [(f.ext_req_id, f.code) for f in reply.failed] == [("r1", ErrorCode.OUT_OF_RANGE)]
