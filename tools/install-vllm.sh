@@ -5,8 +5,8 @@
 # tilelang, cutlass-dsl, ...) that add gigabytes and are never used on a CPU host, and the
 # torchvision/torchaudio/torchcodec builds it pulls fail to import next to a CPU torch. So:
 #   1. torch, pinned to vLLM's own pin (an unpinned torch pulls a multi-GB CUDA build);
-#      the CPU build is preferred: a local +cpu wheel (pip's find-links) or the PyTorch CPU
-#      index when it is reachable;
+#      the CPU build is preferred: a local +cpu wheel (pip's find-links), or the index
+#      named by RD2H_TORCH_INDEX_URL;
 #   2. vLLM's runtime requirements read from the wheel's own metadata, minus torch* and the
 #      GPU-only packages listed in EXCLUDE below, with torch held at the installed version;
 #   3. vLLM and xgrammar without dependencies;
@@ -58,13 +58,11 @@ fi
 start=$(date +%s)
 
 # 1. torch. Prefer a CPU build: pip picks a local 2.13.0+cpu wheel over PyPI's 2.13.0 when
-# one is on its find-links; otherwise use the PyTorch CPU index if this host can reach it.
+# one is on its find-links; RD2H_TORCH_INDEX_URL names another index (e.g. PyTorch's CPU
+# wheels) on hosts without one. No host is probed: CI reaches the package registries only.
 torch_args=("torch==${TORCH_VERSION}")
 if [ -n "${RD2H_TORCH_INDEX_URL:-}" ]; then
     torch_args+=(--extra-index-url "$RD2H_TORCH_INDEX_URL")
-elif "$PY" -c 'import urllib.request as u; u.urlopen("https://download.pytorch.org/whl/cpu/", timeout=5)' \
-    >/dev/null 2>&1; then
-    torch_args+=(--extra-index-url "https://download.pytorch.org/whl/cpu")
 fi
 echo "install-vllm: installing ${torch_args[*]}"
 "${PIP[@]}" "${torch_args[@]}" || die "could not install torch==${TORCH_VERSION}"
