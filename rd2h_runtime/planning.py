@@ -187,9 +187,11 @@ def _array_ids(arr: npt.NDArray[Any]) -> I64Array:
 def _pack(seqs: list[Sequence[int]], out: I64Array) -> None:
     """Write the id sequences one after another into ``out`` (exactly their total length).
 
-    No Python work per id: numpy arrays are concatenated, ranges become ``arange``, other
-    sequences are packed by struct in C (about twice as fast as ``np.fromiter``; unboxing
-    the Python ints is the floor either way).
+    No Python work per id: numpy arrays are concatenated; ranges (contiguous destinations)
+    are written all together by one cumulative sum, whatever their number; other sequences
+    are packed by struct in C (about twice as fast as ``np.fromiter``; unboxing the Python
+    ints is the floor either way), and a sequence met again in the same call (one object
+    serving main and indexer) is copied from its first packing instead.
     """
     if not out.shape[0]:
         return
@@ -206,20 +208,63 @@ def _pack(seqs: list[Sequence[int]], out: I64Array) -> None:
             return
     at = 0
     raw = out.data  # a writable memoryview for struct
+    ranges: list[tuple[int, int, int, int]] = []  # (at, first id, step, count)
+    packed: dict[int, int] = {}  # id(seq) -> where it was packed (seqs keeps it alive)
     try:
         for seq in seqs:
             m = len(seq)
-            if isinstance(seq, np.ndarray):
+            if not m:
+                continue
+            if isinstance(seq, range):
+                ranges.append((at, seq[0], seq[-1], m))
+            elif isinstance(seq, np.ndarray):
                 out[at : at + m] = _array_ids(seq)
-            elif isinstance(seq, range):  # a contiguous destination: no ints to unbox
-                out[at : at + m] = np.arange(seq.start, seq.stop, seq.step, dtype=np.int64)
-            elif m:
-                struct.pack_into(f"{m}q", raw, at * 8, *seq)
+            else:
+                first = packed.setdefault(id(seq), at)
+                if first == at:
+                    struct.pack_into(f"{m}q", raw, at * 8, *seq)
+                else:
+                    out[at : at + m] = out[first : first + m]
             at += m
+        if ranges:
+            _fill_ranges(ranges, out)
     except (struct.error, OverflowError) as exc:
         raise LocalProtocolError(
             f"block ids must be int64 integers: {exc}", ErrorCode.OUT_OF_RANGE
         ) from exc
+
+
+def _fill_ranges(ranges: list[tuple[int, int, int, int]], out: I64Array) -> None:
+    """Write ``(at, first id, last id, count)`` ranges into ``out``, a few numpy calls in all.
+
+    Values and positions are both cumulative sums of deltas: the step inside a range, the
+    jump to the next range's first value (position) at its start. Every value lies between
+    a range's first and last id, which must fit int64 (else ``OverflowError``), so nothing
+    wraps.
+    """
+    cols = np.array(ranges, dtype=np.int64).T
+    ats, firsts, lasts, counts = cols[0], cols[1], cols[2], cols[3]
+    total = int(counts.sum())
+    heads = np.cumsum(counts) - counts  # where each range starts in the range-only order
+    vals: I64Array = _scratch.get("range_vals", total, np.int64)
+    if bool((lasts - firsts == counts - 1).all()):  # every step is +1 (contiguous ids)
+        vals.fill(1)
+    else:
+        # the exact step of each range (a one-id range has none: any value will do)
+        steps = (lasts - firsts) // np.maximum(counts - 1, 1)
+        vals[:] = np.repeat(steps, counts)
+    vals[heads[1:]] = firsts[1:] - lasts[:-1]
+    vals[0] = firsts[0]
+    if total == out.shape[0]:  # only ranges: they fill ``out`` in order
+        np.cumsum(vals, out=out)
+        return
+    np.cumsum(vals, out=vals)
+    pos: I64Array = _scratch.get("range_pos", total, np.int64)
+    pos.fill(1)
+    pos[heads[1:]] = ats[1:] - (ats[:-1] + counts[:-1] - 1)
+    pos[0] = ats[0]
+    np.cumsum(pos, out=pos)
+    out[pos] = vals
 
 
 def _lengths(group: str, srcs: list[Sequence[int]], dsts: list[Sequence[int]]) -> I64Array:

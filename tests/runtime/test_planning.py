@@ -415,6 +415,8 @@ def plans(draw: st.DrawFn) -> ReadPlan:
             seqs = [ids(s) for s in seqs]
         elif draw(st.booleans()):  # every input form build_descriptors takes, mixed
             seqs = [draw(st.sampled_from(forms(s))) for s in seqs]
+        if draw(st.booleans()):  # one object serving main and indexer (packed once)
+            seqs[2:] = seqs[:2]
         requests.append(RequestRead(f"req-{i}", *seqs))
     return make_plan(requests, main=main, indexer=indexer)
 
