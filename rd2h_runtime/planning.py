@@ -36,6 +36,7 @@ from __future__ import annotations
 import functools
 import struct
 import threading
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
@@ -143,6 +144,10 @@ class _Scratch(threading.local):
 
     def __init__(self) -> None:
         self.buffers: dict[str, npt.NDArray[Any]] = {}
+        # id key -> (the id sequences, their runs); see build_descriptors
+        self.runs: OrderedDict[tuple[object, ...], tuple[list[Sequence[int]], _Runs]] = (
+            OrderedDict()
+        )
 
     def get(self, name: str, n: int, dtype: type[np.generic]) -> npt.NDArray[Any]:
         """An uninitialised array of ``n`` items, reused while it fits."""
@@ -165,6 +170,8 @@ class _Scratch(threading.local):
 
 
 _SCRATCH_MAX_ITEMS = 1 << 21
+# Id sets whose runs each thread keeps (several Prefill peers may interleave).
+_RUNS_KEPT = 8
 _scratch = _Scratch()
 
 
@@ -372,48 +379,74 @@ def _columns(comps: tuple[ComponentAddrs, ...]) -> tuple[U64Array, U64Array, U64
     return cols[0], cols[1], cols[2]
 
 
-def _descriptors(
-    groups: Sequence[tuple[Sequence[ComponentAddrs], int]], ids: I64Array, counts: I64Array
-) -> Descriptors:
-    """The core: ``groups`` = (components, id count) per id group, in output order.
+@dataclass(frozen=True, slots=True, eq=False)
+class _Runs:
+    """Everything planning derives from the ids alone (no address): kept between reads of
+    the same ids (see :func:`build_descriptors`), so arrays are fresh and read-only.
+
+    ``tops`` holds each group's largest src and dst id (-1 without ids), ``cuts`` where
+    each group's runs start and end in the run arrays, ``blocks`` each run's length in
+    blocks and ``run_src``/``run_dst`` its first ids.
+    """
+
+    tops: tuple[tuple[int, int], ...]
+    cuts: tuple[int, ...]
+    blocks: U64Array
+    run_src: U64Array
+    run_dst: U64Array
+
+
+def _id_runs(sizes: Sequence[int], ids: I64Array, counts: I64Array) -> _Runs:
+    """The runs of ``sizes`` id groups (id count per group, in output order).
 
     ``ids`` holds every group's src ids one after another, then every group's dst ids in
     the same layout; ``counts`` the per-request counts of all groups, in the same order.
     One run search covers all groups at once (a group starts with a request, so it
     starts a run).
     """
-    n = sum(n_g for _, n_g in groups)
+    n = sum(sizes)
     src, dst = ids[:n], ids[n:]
     if n and int(ids.min()) < 0:
         raise LocalProtocolError("block ids must be >= 0", ErrorCode.OUT_OF_RANGE)
     offsets = [0]
-    for comps, n_g in groups:
+    tops = []
+    for n_g in sizes:
         off = offsets[-1]
         top_src = int(src[off : off + n_g].max()) if n_g else -1
         top_dst = int(dst[off : off + n_g].max()) if n_g else -1
-        for comp in comps:
-            _check_fits(comp, top_src, top_dst)
+        tops.append((top_src, top_dst))
         offsets.append(off + n_g)
-
     if n:
         starts, blocks = _runs(src, dst, counts)
         # Which runs belong to which group: runs are in id order and never straddle groups.
-        cuts = np.searchsorted(starts, offsets).tolist()
-        k = starts.shape[0]
-        # Gather each side's run-start ids once for all groups and components.
-        run_src: U64Array = _scratch.get("run_src", k, np.uint64)
-        run_dst: U64Array = _scratch.get("run_dst", k, np.uint64)
+        cuts = tuple(np.searchsorted(starts, offsets).tolist())
+        # Kept arrays, so not scratch: one allocation for the three (see _descriptors).
+        run_src, run_dst, kept = np.empty((3, starts.shape[0]), dtype=np.uint64)
         np.take(src, starts, out=run_src.view(np.int64), mode="clip")  # starts are in range
         np.take(dst, starts, out=run_dst.view(np.int64), mode="clip")
+        kept[:] = blocks
+        blocks = kept
     else:
-        cuts = [0] * len(offsets)
-    total = sum(len(comps) * (cuts[g + 1] - cuts[g]) for g, (comps, _) in enumerate(groups))
+        cuts = (0,) * len(offsets)
+        run_src = run_dst = blocks = np.zeros(0, dtype=np.uint64)
+    for arr in (blocks, run_src, run_dst):
+        arr.flags.writeable = False
+    return _Runs(tuple(tops), cuts, blocks, run_src, run_dst)
+
+
+def _descriptors(comps_of: Sequence[Sequence[ComponentAddrs]], runs: _Runs) -> Descriptors:
+    """The descriptors of ``runs`` for each group's components (``comps_of``, in order)."""
+    for comps, (top_src, top_dst) in zip(comps_of, runs.tops, strict=True):
+        for comp in comps:
+            _check_fits(comp, top_src, top_dst)
+    cuts = runs.cuts
+    total = sum(len(comps) * (cuts[g + 1] - cuts[g]) for g, comps in enumerate(comps_of))
     remote = np.empty(total, dtype=np.uint64)
     local = np.empty(total, dtype=np.uint64)
     lengths = np.empty(total, dtype=np.uint64)
     counts_out: list[tuple[str, int]] = []
     at = 0
-    for g, (comps, _) in enumerate(groups):
+    for g, comps in enumerate(comps_of):
         lo, hi = cuts[g], cuts[g + 1]
         k_g = hi - lo
         for comp in comps:
@@ -425,11 +458,14 @@ def _descriptors(
         size, src_bases, dst_bases = _columns(tuple(comps))
         span = slice(at, at + len(comps) * k_g)
         at = span.stop
-        for run_ids, out, bases in ((run_src, remote, src_bases), (run_dst, local, dst_bases)):
+        for run_ids, out, bases in (
+            (runs.run_src, remote, src_bases),
+            (runs.run_dst, local, dst_bases),
+        ):
             view = out[span].reshape(len(comps), k_g)
             np.multiply(run_ids[lo:hi], size, out=view)
             np.add(view, bases, out=view)
-        np.multiply(blocks[lo:hi], size, out=lengths[span].reshape(len(comps), k_g))
+        np.multiply(runs.blocks[lo:hi], size, out=lengths[span].reshape(len(comps), k_g))
     for arr in (remote, local, lengths):
         # Read-only: backends get views of these, nobody should patch a planned read.
         arr.flags.writeable = False
@@ -457,7 +493,24 @@ def descriptors_from_ids(
         counts = np.concatenate([ids.counts for _, ids in used])
     else:
         counts = np.zeros(0, dtype=np.int64)
-    return _descriptors([(c, ids.src.shape[0]) for c, ids in used], buf, counts)
+    runs = _id_runs([ids.src.shape[0] for _, ids in used], buf, counts)
+    return _descriptors([c for c, _ in used], runs)
+
+
+def _ids_key(seqs: list[Sequence[int]]) -> tuple[object, ...] | None:
+    """A key naming ``seqs`` by identity (tuples) or value (ranges), or None when one of
+    them could change (a list, an array): only immutable ids may be planned from a cache.
+    """
+    key: list[object] = []
+    for seq in seqs:
+        kind = type(seq)
+        if kind is tuple:
+            key.append(id(seq))
+        elif kind is range:
+            key.append(seq)
+        else:
+            return None
+    return tuple(key)
 
 
 def build_descriptors(plan: ReadPlan) -> Descriptors:
@@ -466,23 +519,52 @@ def build_descriptors(plan: ReadPlan) -> Descriptors:
     Id sequences may be lists, tuples, ranges or numpy integer arrays; when every request
     of a group holds numpy arrays they are concatenated without touching single ids. A
     group without components (e.g. ``plan.main == ()``) is not read, nor are its ids.
+
+    Every layer of an engine step reads the same ids (into other addresses). When all the
+    plan's ids are tuples or ranges (immutable; what the Decode endpoint hands out), what
+    depends on the ids alone -- the runs and their first ids -- is kept per thread for a
+    few id sets (holding the tuples, so their identity cannot be reused), and a later
+    plan over the same ids only computes addresses.
     """
+    comps_of: list[Sequence[ComponentAddrs]] = []
+    names: list[str] = []
     srcs: list[Sequence[int]] = []
     dsts: list[Sequence[int]] = []
-    counts: list[I64Array] = []
-    groups: list[tuple[Sequence[ComponentAddrs], int]] = []
     for comps, group in ((plan.main, "main"), (plan.indexer, "indexer")):
         if not comps:
             continue
         g_src, g_dst = _group_seqs(plan.requests, group)
-        g_counts = _lengths(group, g_src, g_dst)
+        comps_of.append(comps)
+        names.append(group)
         srcs += g_src
         dsts += g_dst
-        counts.append(g_counts)
-        groups.append((comps, int(g_counts.sum())))
-    n = sum(n_g for _, n_g in groups)
+    seqs = srcs + dsts
+    key = _ids_key(seqs)
+    cache = _scratch.runs
+    if key is not None:
+        key = (len(names), *key)  # requests per group: len(plan.requests) for every group
+        hit = cache.get(key)
+        if hit is not None:
+            cache.move_to_end(key)
+            return _descriptors(comps_of, hit[1])
+    per_group = len(plan.requests)
+    counts = [
+        _lengths(
+            group,
+            srcs[g * per_group : (g + 1) * per_group],
+            dsts[g * per_group : (g + 1) * per_group],
+        )
+        for g, group in enumerate(names)
+    ]
+    sizes = [int(c.sum()) for c in counts]
+    n = sum(sizes)
     buf: I64Array = _scratch.get("ids", 2 * n, np.int64)
     _pack(srcs, buf[:n])
     _pack(dsts, buf[n:])
     all_counts = np.concatenate(counts) if counts else np.zeros(0, dtype=np.int64)
-    return _descriptors(groups, buf, all_counts)
+    runs = _id_runs(sizes, buf, all_counts)
+    if key is not None:
+        cache[key] = (seqs, runs)  # the tuples stay alive while their ids name them
+        while len(cache) > _RUNS_KEPT:
+            cache.popitem(last=False)
+    return _descriptors(comps_of, runs)

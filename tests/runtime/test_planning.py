@@ -437,3 +437,61 @@ def test_benchmark_runs_and_agrees_with_its_baseline(capsys: pytest.CaptureFixtu
     out = capsys.readouterr().out
     assert "MISMATCH" not in out
     assert out.count("x\n") == 6  # 3 shapes x 2 input forms, each row ending with its ratio
+
+
+# --- planning the same ids again -----------------------------------------------------------
+
+
+def _moved(plan: ReadPlan, div: int) -> ReadPlan:
+    """The same requests (the same id objects) read for other components: another layer.
+    (Lower bases, so every address still fits in 64 bits.)"""
+
+    def move(comps: tuple[ComponentAddrs, ...]) -> tuple[ComponentAddrs, ...]:
+        return tuple(
+            ComponentAddrs(c.name, c.src_base // div, c.dst_base // (div + 1), c.block_bytes)
+            for c in comps
+        )
+
+    return make_plan(plan.requests, main=move(plan.main), indexer=move(plan.indexer))
+
+
+@given(plans())
+def test_the_same_ids_planned_again_for_another_layer_match_the_oracle(plan: ReadPlan) -> None:
+    assert_matches_oracle(plan)
+    assert_matches_oracle(_moved(plan, 2))
+    assert_matches_oracle(plan)
+
+
+def test_ids_of_mutable_sequences_are_read_afresh() -> None:
+    """Tuples and ranges may be planned from kept runs; a list changed between two reads
+    is planned anew."""
+    main_src, idx_src = [1, 2, 3], (7, 8)
+    plan = make_plan([req(main_src, range(10, 13), idx_src, (20, 21))])
+    assert_matches_oracle(plan)
+    main_src[1] = 9
+    d = assert_matches_oracle(plan)
+    assert len(d) == 2 * 3 + 2 * 1
+    kept = make_plan([req((1, 2, 3), range(10, 13), idx_src, (20, 21))])
+    assert len(assert_matches_oracle(kept)) == 2 * 1 + 2 * 1
+    assert len(assert_matches_oracle(_moved(kept, 3))) == 2 * 1 + 2 * 1
+
+
+def test_many_id_sets_in_turn_match_the_oracle() -> None:
+    """More id sets than a thread keeps, interleaved like several Prefill peers."""
+    rng = np.random.default_rng(3)
+    plans = []
+    for p in range(12):
+        reqs = [
+            req(
+                tuple(int(x) for x in rng.integers(0, 100, 5)),
+                range(10 * r, 10 * r + 5),
+                tuple(int(x) for x in rng.integers(0, 100, 3)),
+                tuple(int(x) for x in rng.integers(0, 100, 3)),
+                name=f"p{p}r{r}",
+            )
+            for r in range(3)
+        ]
+        plans.append(make_plan(reqs))
+    for round_ in range(3):
+        for plan in plans:
+            assert_matches_oracle(_moved(plan, round_ + 1) if round_ else plan)
