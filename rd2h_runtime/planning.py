@@ -441,9 +441,9 @@ def _descriptors(comps_of: Sequence[Sequence[ComponentAddrs]], runs: _Runs) -> D
             _check_fits(comp, top_src, top_dst)
     cuts = runs.cuts
     total = sum(len(comps) * (cuts[g + 1] - cuts[g]) for g, comps in enumerate(comps_of))
-    remote = np.empty(total, dtype=np.uint64)
-    local = np.empty(total, dtype=np.uint64)
-    lengths = np.empty(total, dtype=np.uint64)
+    # One allocation for the three arrays (rows of one block): three of this size each
+    # cost page faults on every read, as malloc hands such blocks back to the OS.
+    remote, local, lengths = np.empty((3, total), dtype=np.uint64)
     counts_out: list[tuple[str, int]] = []
     at = 0
     for g, comps in enumerate(comps_of):
