@@ -194,3 +194,29 @@ def test_nixl_session_carries_the_registered_memory() -> None:
         decode_session("127.0.0.1:5000")
     with pytest.raises(TransferError, match="malformed"):
         decode_session("nixl1:AAAA")
+
+
+def test_nixl_progress_thread_sleeps_and_loopback_hosts_stay_on_lo() -> None:
+    """An idle NIXL agent must not spin a core, and a loopback-bound backend keeps UCX on
+    the loopback device (else UCX's TCP leaves through the external interface)."""
+    import os
+    import subprocess
+    import sys
+
+    probe = (
+        "import os, time\n"
+        "os.environ.pop('UCX_NET_DEVICES', None)\n"
+        "from rd2h_runtime.transfer import create_backend\n"
+        "be = create_backend('nixl', role='decode', host='127.0.0.1')\n"
+        "print(os.environ['UCX_NET_DEVICES'])\n"
+        "t = time.process_time(); time.sleep(1.0); print(time.process_time() - t)\n"
+        "be.close()\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "UCX_NET_DEVICES"}
+    proc = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, env=env
+    )
+    lines = proc.stdout.split()
+    assert proc.returncode == 0, proc.stderr
+    assert lines[0] == "lo"
+    assert float(lines[1]) < 0.5  # NIXL's own default spins ~0.7 core
