@@ -253,10 +253,19 @@ class StartRead:
     ``start_by`` (monotonic seconds, ``None`` without a lease): a read that cannot START
     by then must not start; report it with a :class:`TransferError` whose ``code`` is
     ``ErrorCode.LEASE_EXPIRED``.
+
+    ``finish_by`` (monotonic seconds, ``None`` without a lease, i.e. from a v1 peer): the
+    readiness's receipt plus its whole lease. From then on Prefill may reuse the storage
+    the read takes its bytes from, so a read still running is worthless: the runtime must
+    bound the read's own deadline by it. (Prefill's lease started when it sent the
+    message, a little before the receipt; the half-lease ``start_by`` and a read timeout
+    below half the lease are what keep a read clear of it. ``finish_by`` caps a read
+    timeout configured too long for the lease.)
     """
 
     plan: ReadPlan
     start_by: float | None = None
+    finish_by: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -372,6 +381,7 @@ class _Readiness:
         "accepted",
         "caps",
         "deadline",
+        "finish_by",
         "ids_below",
         "in_plan",
         "isolated",
@@ -403,6 +413,7 @@ class _Readiness:
         self.receipt = now
         self.state = DECODE_READINESS.initial
         self.start_by = None if msg.lease_ms is None else now + msg.lease_ms / 2000.0
+        self.finish_by = None if msg.lease_ms is None else now + msg.lease_ms / 1000.0
         self.caps: frozenset[str] = frozenset()
         self.missing: set[str] = set()
         self.deadline = 0.0
@@ -1154,7 +1165,7 @@ class ConsumerEndpoint:
         self._reads[read_id] = rd
         self._readiness_step(rd, M_LOCAL_START_READ)
         self.stats.reads_started += 1
-        self._out.append(StartRead(rd.plan, rd.start_by))
+        self._out.append(StartRead(rd.plan, rd.start_by, rd.finish_by))
 
     def _share(
         self,
@@ -1273,7 +1284,7 @@ class ConsumerEndpoint:
         self._reads[read_id] = rd
         self._readiness_step(rd, M_LOCAL_READ_RETRY)
         self.stats.read_retries += 1
-        self._out.append(StartRead(rd.plan, rd.start_by))
+        self._out.append(StartRead(rd.plan, rd.start_by, rd.finish_by))
 
     def _read_failed(self, rd: _Readiness, error: TransferError, now: float) -> None:
         self.stats.reads_failed += 1

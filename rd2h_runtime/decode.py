@@ -15,10 +15,11 @@ endpoint's next deadline to the ROUTER's timer.
 
 The socket loop never runs a read (departure 7): a plan is turned into descriptors
 (:func:`~rd2h_runtime.planning.build_descriptors`) and read on the read worker, bounded by
-``read_timeout_s``; the outcome goes back to the endpoint with ``read_finished``. So
-ACKs, replies and ABORTs for other peers keep flowing while a read runs. A read whose
-``start_by`` passed before the worker got to it is not started: it is reported as a
-``LEASE_EXPIRED`` failure, as the endpoint asks.
+``read_timeout_s`` and by the plan's ``finish_by`` (receipt plus lease, after which
+Prefill may reuse the storage); the outcome goes back to the endpoint with
+``read_finished``. So ACKs, replies and ABORTs for other peers keep flowing while a read
+runs. A read whose ``start_by`` passed before the worker got to it is not started: it is
+reported as a ``LEASE_EXPIRED`` failure, as the endpoint asks.
 
 Three threads call into the endpoint (the caller, the I/O thread, the read worker); ONE
 lock serialises every call together with the execution of its outputs, which never
@@ -463,13 +464,17 @@ class DecodeWorker:
             finally:
                 self.metrics.plan_s += time.monotonic() - start
             start = time.monotonic()
+            timeout_s = self._read_timeout_s
+            if item.finish_by is not None:
+                # Past finish_by Prefill may reuse the storage: reading on is worthless.
+                timeout_s = min(timeout_s, item.finish_by - start)
             try:
                 self._backend.read(
                     plan.session,
                     desc.remote_addrs,
                     desc.local_addrs,
                     desc.lengths,
-                    timeout_s=self._read_timeout_s,
+                    timeout_s=timeout_s,
                 )
             finally:
                 self.metrics.read_s += time.monotonic() - start

@@ -1545,3 +1545,26 @@ def test_kept_entries_are_checked_again_after_a_handshake_shrinks_the_layout() -
     send(ep, meta(layouts={name: src_layout(num_blocks=100) for name in LAYER_NAMES}))
     reply = replies(send(ep, msg))[0]
     assert [(f.ext_req_id, f.code) for f in reply.failed] == [("r1", ErrorCode.OUT_OF_RANGE)]
+
+
+def test_finish_by_is_receipt_plus_the_lease_kept_on_retry_none_without_lease() -> None:
+    ep = ready()
+    ep.add_request("r1", [0], [0], 0.0)
+    # parked first (r2 unknown): the receipt, not the time it is served, counts
+    ep2 = ready()
+    ep2.add_request("r1", [0], [0], 0.0)
+    send(ep2, rrb(0, [rr("r1", [1]), rr("r2", [2])], seq=1, lease_ms=4000), now=50.0)
+    start = only(ep2.add_request("r2", [1], [1], 50.5), StartRead)
+    assert (start.start_by, start.finish_by) == (pytest.approx(52.0), pytest.approx(54.0))
+    outs = send(ep, rrb(0, [rr("r1", [1])], seq=1, lease_ms=4000), now=100.0)
+    start = only(outs, StartRead)
+    assert (start.start_by, start.finish_by) == (pytest.approx(102.0), pytest.approx(104.0))
+    retry = only(
+        ep.read_finished(start.plan.read_id, TransferError("busy", transient=True), 101.0),
+        StartRead,
+    )
+    assert (retry.start_by, retry.finish_by) == (start.start_by, start.finish_by)
+    v1 = ready(v2=False)
+    v1.add_request("r1", [0], [0], 0.0)
+    start = only(send(v1, rrb(0, [rr("r1", [1])])), StartRead)
+    assert start.start_by is None and start.finish_by is None
