@@ -1182,31 +1182,44 @@ class ConsumerEndpoint:
         """
         msg, cfg = rd.msg, self.config
         member = msg.group_member_idx
+        # One Decode rank and one contributor (the usual shape): every share is the whole
+        # entry (split_range over one rank), with no call per request.
+        whole = cfg.d_tp == 1 and msg.tp_ratio == 1
         num_blocks = src.num_blocks
         if num_blocks is not None and rd.ids_below is not None and rd.ids_below <= num_blocks:
             num_blocks = None  # every Prefill id of the message is below it: checked already
         main_ids = rr.main_block_ids
-        start, end = main_share(len(main_ids), cfg.d_rank, cfg.d_tp, rr.main_start_block, member)
+        n = len(main_ids)
+        if whole:
+            start, end = 0, n
+        else:
+            start, end = main_share(n, cfg.d_rank, cfg.d_tp, rr.main_start_block, member)
         main_src: Sequence[int] = ()
         main_dst: Sequence[int] = ()
         if member == 0:
-            base, _ = check_destination_range(
-                req.ext_id, "main", rr.main_start_block, len(main_ids), len(req.main_ids)
-            )
+            base = rr.main_start_block
+            if base < 0 or base + n > len(req.main_ids):  # (the check, inlined: it raises)
+                check_destination_range(req.ext_id, "main", base, n, len(req.main_ids))
             main_src = _part(main_ids, start, end)
             main_dst = req.main_ids[base + start : base + end]
-            _check_source(msg.layer_name, "main", main_src, num_blocks)
+            if num_blocks is not None:
+                _check_source(msg.layer_name, "main", main_src, num_blocks)
         idx_src: Sequence[int] = ()
         idx_dst: Sequence[int] = ()
         if has_indexer:
             idx_ids = rr.indexer_ids
-            base, _ = check_destination_range(
-                req.ext_id, "indexer", rr.indexer_start_block, len(idx_ids), len(req.indexer_ids)
-            )
-            start, end = indexer_share(len(idx_ids), member, msg.tp_ratio, rr.indexer_start_block)
+            n = len(idx_ids)
+            base = rr.indexer_start_block
+            if base < 0 or base + n > len(req.indexer_ids):
+                check_destination_range(req.ext_id, "indexer", base, n, len(req.indexer_ids))
+            if whole:
+                start, end = 0, n
+            else:
+                start, end = indexer_share(n, member, msg.tp_ratio, base)
             idx_src = _part(idx_ids, start, end)
             idx_dst = req.indexer_ids[base + start : base + end]
-            _check_source(msg.layer_name, "indexer", idx_src, num_blocks)
+            if num_blocks is not None:
+                _check_source(msg.layer_name, "indexer", idx_src, num_blocks)
         return RequestRead(req.ext_id, main_src, main_dst, idx_src, idx_dst)
 
     def _not_waiting(self, req: _Request) -> tuple[ErrorCode, str]:

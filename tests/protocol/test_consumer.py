@@ -1568,3 +1568,16 @@ def test_finish_by_is_receipt_plus_the_lease_kept_on_retry_none_without_lease() 
     v1.add_request("r1", [0], [0], 0.0)
     start = only(send(v1, rrb(0, [rr("r1", [1])])), StartRead)
     assert start.start_by is None and start.finish_by is None
+
+
+@pytest.mark.parametrize(("ms", "js"), [(-1, 0), (0, -1)])
+def test_negative_destination_offsets_of_a_hand_built_message_are_isolated(
+    ms: int, js: int
+) -> None:
+    """receive() takes messages no decoder checked: a negative offset is still refused."""
+    ep = ready()
+    ep.add_request("r1", [0, 1, 2], [0, 1, 2], 0.0)
+    outs = ep.receive(PEER, rrb(0, [rr("r1", [5], [5], ms=ms, js=js)], seq=1), 0.0)
+    assert of(outs, StartRead) == []
+    (f,) = replies(outs)[0].failed
+    assert f.code == ErrorCode.DESTINATION_RANGE
