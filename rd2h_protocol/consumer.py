@@ -875,7 +875,8 @@ class ConsumerEndpoint:
             if cached is not None:
                 raw, entries = cached
                 at = _entries_offset(frame)
-                if at is not None and memoryview(frame)[at : at + len(raw)] == raw:
+                # (bytes.startswith: a memcmp; comparing memoryviews goes item by item)
+                if at is not None and bytes(frame).startswith(raw, at):
                     self._entry_cache.move_to_end(session.name)
                     rest = b"".join((frame[:at], _EMPTY_ARRAY, frame[at + len(raw) :]))
                     return _with_entries(_SHELL_DECODER.decode(rest), entries), bound

@@ -1581,3 +1581,16 @@ def test_negative_destination_offsets_of_a_hand_built_message_are_isolated(
     assert of(outs, StartRead) == []
     (f,) = replies(outs)[0].failed
     assert f.code == ErrorCode.DESTINATION_RANGE
+
+
+@pytest.mark.parametrize("kind", [bytearray, memoryview])
+def test_frames_in_other_buffers_are_read_alike(kind: Any) -> None:
+    ep = ready()
+    ep.add_request("r1", [10, 11], [12], 0.0)
+    entries = [rr("r1", [1, 2], [3])]
+    first = ep.receive_frame(PEER, kind(encode(rrb(0, entries, seq=1))), 0.0)
+    again = ep.receive_frame(PEER, kind(encode(rrb(1, entries, seq=2))), 0.0)  # kept entries
+    for outs in (first, again):
+        (read,) = only(outs, StartRead).plan.requests
+        assert (list(read.main_src), list(read.indexer_src)) == ([1, 2], [3])
+    assert ep.stats.malformed_frames == 0
