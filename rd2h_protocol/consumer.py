@@ -36,9 +36,13 @@ Serving one readiness (reference §2, departures 1, 4, 6, 11):
    indexer (and its scale) split over the contributors with
    :func:`~rd2h_protocol.topology.indexer_share`.
 5. ONE :class:`~rd2h_protocol.plan.ReadPlan` per message (``StartRead``), or, when this
-   rank has nothing to read, ``read_done`` at once. When the read ends, the reply goes
-   out; done signals count (contributor completion) only after a successful read; a
-   failed read fails every request of the message. A transient failure is retried
+   rank has nothing to read, ``read_done`` at once. A whole-entry share is not copied:
+   the plan holds the message's own ids (tuples decoded once per engine step, as every
+   layer carries the same entries; see ``_decode_bounded``) and the request's own
+   destination ids (a tuple, or a range when contiguous), so the runtime can plan the
+   later layers of a step with no per-id work. When the read ends, the reply goes out;
+   done signals count (contributor completion) only after a successful read; a failed
+   read fails every request of the message. A transient failure is retried
    (``max_read_retries``) while the lease still leaves its margin.
 
 Toward a v1 peer: isolation still applies (the other requests are read), and the reply

@@ -17,14 +17,18 @@ Backends must not depend on any other property of the order.
 
 How it stays fast (64 requests x 256 blocks is the design size): the ids of all requests
 and both id groups (main, indexer) are packed once into one int64 buffer (numpy arrays
-are concatenated, ranges become ``arange``, other sequences are packed by struct in C);
-run starts are found with one vector comparison over everything (``src`` or ``dst`` not
-``+1`` from the previous block, or a request starts); the run-start ids are gathered once,
-and each group's components (K and V; indexer and scale) get their addresses in one
-broadcast multiply-add. No Python work happens per block; per request only the id
-sequences are collected. Work buffers are per-thread and reused (see ``_Scratch``); the
-returned arrays are always fresh. A small message still pays a fixed cost of a few dozen
-numpy calls (tens of microseconds).
+are concatenated, all ranges are written by one cumulative sum, other sequences are
+packed by struct in C, each object once); run starts are found with one vector
+comparison over everything (``src`` or ``dst`` not ``+1`` from the previous block, or a
+request starts); the run-start ids are gathered once, and each group's components (K and
+V; indexer and scale) get their addresses in one broadcast multiply-add. No Python work
+happens per block; per request only the id sequences are collected. Every layer of an
+engine step reads the same ids, so when they are immutable (tuples, ranges: what the
+Decode endpoint hands out) the id-only part (runs, run-start ids) is kept per thread
+and later layers only compute addresses (see :func:`build_descriptors`). Work buffers
+are per-thread and reused (see ``_Scratch``); the returned arrays are always fresh (the
+three are rows of one new block). A small message still pays a fixed cost of a few
+dozen numpy calls (tens of microseconds).
 
 Because every block of a component has the same length, "addresses contiguous" is exactly
 "ids step by +1" (for ``block_bytes > 0`` and no wrap-around, both of which are checked),
