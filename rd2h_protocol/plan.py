@@ -32,6 +32,9 @@ class RequestRead:
 
     ``main_*`` apply to every main component (K and V), ``indexer_*`` to the indexer and
     the LIC8 scale, which follows the indexer ids. Paired sequences have equal length.
+    Any sequence of ints will do (lists, tuples, ranges, integer arrays); the Decode
+    endpoint hands out its own tuples and ranges, shared with later plans (one object may
+    serve main and indexer): read them, never change them.
     """
 
     ext_req_id: str
