@@ -938,6 +938,11 @@ class ProducerEndpoint:
             conn.caps = frozenset(ack.capabilities or ()) & frozenset(ALL_CAPABILITIES)
         else:
             conn.caps = frozenset()
+        # A publication whose lease ran out while the handshake ran is expired, not sent: it
+        # would carry lease_ms 0, so the Decode could start reading it on arrival while our
+        # lease timer, already due, reopens its storage for the next layer.
+        for pub in [p for p in conn.queue if int((p.deadline - now) * 1000) <= 0]:
+            self._expire(pub, now, out)
         queue, conn.queue = conn.queue, []
         for pub in queue:
             self._send(pub, now, out)
@@ -1072,12 +1077,12 @@ class ProducerEndpoint:
         seq = conn.next_seq
         conn.next_seq += 1
         pub.seq = seq
+        pub.sent_at = now
         conn.sent[seq] = pub
         caps = conn.caps
         read_reqs = pub.read_reqs
         done = pub.done_ids
         if any(r.state not in _STILL_READ for r in pub.requests):
-        pub.sent_at = now
             # Some stopped while this waited for the handshake: do not publish them.
             live = {r.ext_id for r in pub.requests if r.state in _STILL_READ}
             read_reqs = [r for r in read_reqs if r.ext_req_id in live]
@@ -1175,12 +1180,12 @@ class ProducerEndpoint:
                 self._start_handshake(conn, now, out)
             conn.queue.append(pub)
             return
+        out.append(LayerReplied(conn.name, pub.layer_idx, now - pub.sent_at, effect == EFFECT_DONE))
         if effect == EFFECT_DONE:
             isolated = {f.ext_req_id: f for f in failed} if failed else {}
             if isolated:
                 self.stats.isolated_failures += len(isolated)
             self._fail_requests(pub, R_RECV_FAILURE, ErrorCode.UNKNOWN, "", isolated)
-        out.append(LayerReplied(conn.name, pub.layer_idx, now - pub.sent_at, effect == EFFECT_DONE))
         else:
             assert effect == EFFECT_FAIL and read_failed is not None
             self.stats.read_failures += 1

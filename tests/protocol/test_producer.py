@@ -603,6 +603,18 @@ def test_lease_expiry_of_readiness_that_never_left() -> None:
     assert ep.connections() == {CONN: "ready_v2"}
 
 
+def test_readiness_whose_lease_ran_out_during_the_handshake_is_not_sent() -> None:
+    ep = endpoint(1, lease_ms=1000)
+    ep.add_request("r1", target(), 0.0)
+    ep.schedule_chunk("r1", [1], [1], 0, 0, True)
+    ep.layer_written(0, 0.0)
+    out = ep.receive(CONN, ack_v2(), 1.0)  # the ACK comes before the lease timer runs
+    assert readiness(out) == []  # lease_ms 0 would let Decode read a reopened storage
+    assert opened(out) == [0, 1]
+    assert finished(out)["r1"].code == ErrorCode.LEASE_EXPIRED
+    assert ep.handle_timer(1.0) == []
+
+
 def test_raise_policy_makes_the_layer_entry_check_raise_once() -> None:
     ep = endpoint(2, read_failure_policy="raise")
     m0, m1 = one_request_ready(ep)
