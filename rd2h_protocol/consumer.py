@@ -1317,7 +1317,10 @@ class ConsumerEndpoint:
         for req in rd.in_plan:
             req.in_flight -= 1
         for req in rd.accepted:
-            self._request_event(req, R_LOCAL_FAIL, now, code, text)
+            # A request may have been released while this read was in flight: a retry left
+            # it out, or it had no share in the read. It is gone; leave it alone.
+            if self._requests.get(req.ext_id) is req:
+                self._request_event(req, R_LOCAL_FAIL, now, code, text)
         self._release_quiescent(rd.in_plan, now)
 
     def _release_quiescent(self, reqs: Iterable[_Request], now: float) -> None:
