@@ -1,14 +1,14 @@
 """``rd2h bench``: run the benchmarks in ``benchmarks/`` and print their ratio tables.
 
-Each ``benchmarks/bench_*.py`` is a script with ``main(argv) -> int`` that measures ours
-against a baseline in the same run; this command runs them one after another in this
-process (or only those named) and reports which failed.
+Each ``benchmarks/bench_*.py`` is a script that measures ours against a baseline in the
+same run; this command runs them one after another, each in its own process (or only
+those named), and reports which failed.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -27,13 +27,17 @@ def discover(folder: Path) -> dict[str, Path]:
 
 
 def run_one(path: Path, argv: Sequence[str]) -> int:
-    spec = importlib.util.spec_from_file_location(f"rd2h_bench_{path.stem}", path)
-    if spec is None or spec.loader is None:
-        raise ImportError(f"cannot load benchmark {path}")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    result: int = module.main(list(argv))
-    return result
+    """Run one benchmark script as ``python -m <folder>.<script>`` from the folder's parent.
+
+    A child process per benchmark, as their own docs run them: some start worker
+    processes that must import the benchmark module by name, and none inherits another's
+    threads, caches or warmed-up memory.
+    """
+    module = f"{path.parent.name}.{path.stem}"
+    proc = subprocess.run(
+        [sys.executable, "-m", module, *argv], cwd=path.parent.parent, check=False
+    )
+    return proc.returncode
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -59,11 +63,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name in chosen:
         print(f"\n=== {name} ({found[name].name}) ===", flush=True)
         start = time.perf_counter()
-        try:
-            code = run_one(found[name], [])
-        except Exception as exc:  # report and go on with the others
-            print(f"{name}: {type(exc).__name__}: {exc}")
-            code = 1
+        code = run_one(found[name], [])
         print(f"--- {name}: exit {code} in {time.perf_counter() - start:.1f} s", flush=True)
         if code:
             failed.append(name)
