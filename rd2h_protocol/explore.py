@@ -180,8 +180,10 @@ class WorldConfig:
     ``p_tp``). Layer ``L`` lives in storage ``L % n_storages`` (a reuse ring when there
     are fewer storages than layers). ``requests`` are created at the start (``upfront``:
     also registered on both sides at time 0, in order). ``budgets`` bounds the faults the
-    explorer may inject (``drop``, ``dup``, ``abort``, ``release``, ``read_fail``,
-    ``kill``); :mod:`rd2h_protocol.testing` ignores it. ``tick`` (explorer): time moves
+    explorer may inject (``drop`` a Decode->Prefill frame, ``dup`` any frame but a
+    readiness, ``abort``, ``release`` early, ``read_fail``, ``kill`` an endpoint, and
+    ``lose`` a readiness: a fault beyond what the protocol claims to survive, for
+    experiments); :mod:`rd2h_protocol.testing` ignores it. ``tick`` (explorer): time moves
     in steps of this many seconds, and only once every due timer fired; use a power of two
     so that time arithmetic stays exact and states that differ only by a shift of time merge.
     ``auto_release``: Decode releases a request the moment it finished on every rank (a
@@ -1140,6 +1142,10 @@ class World:
         acts: list[Action] = []
         for i in self.deliverable():
             acts.append(("deliver", i))
+        if self._budget("lose"):  # beyond the model's assumptions: see WorldConfig
+            acts.extend(
+                ("lose", i) for i in self.deliverable() if self.network[i].kind == "ReadReadyBatch"
+            )
         if self._budget("drop") or self._budget("dup"):
             for i in self.droppable():
                 if self._budget("drop") and self.network[i].src[0] == "D":
@@ -1201,6 +1207,9 @@ class World:
         elif kind == "drop":
             self._spend("drop")
             self.drop(_int(action[1]))
+        elif kind == "lose":
+            self._spend("lose")
+            self.drop(_int(action[1]))
         elif kind == "dup":
             self._spend("dup")
             self.duplicate(_int(action[1]))
@@ -1251,7 +1260,7 @@ class World:
     def describe(self, action: Action) -> str:
         """A readable line for ``action`` in the current state (for traces)."""
         kind = action[0]
-        if kind in ("deliver", "drop", "dup"):
+        if kind in ("deliver", "drop", "dup", "lose"):
             f = self.network[_int(action[1])]
             return f"t={self.now:.3f} {kind} {f.src[1]} -> {f.dst[1]}: {_summary(decode(f.data))}"
         if kind == "read":
@@ -1786,10 +1795,12 @@ CONFIGS: Final[dict[str, WorldConfig]] = {
     "tp2-d1": replace(_EXPLORED, requests=_two_requests((0, 0))),
     # 2 Prefill ranks -> 2 Decode ranks (ratio 1): the main pool is split over the ranks.
     "tp2-d2": replace(_EXPLORED, engines=(2,), requests=_two_requests((0, 0))),
-    # One Prefill rank, one Decode rank, with faults: a dropped reply and an abort.
+    # One Prefill rank, one Decode rank, with faults: a dropped reply and an abort; no
+    # reuse ring, so both layers of a step can be outstanding at once.
     "faults": replace(
         _EXPLORED,
         p_tp=1,
+        n_storages=2,
         requests=_two_requests((0, 0)),
         budgets=(("drop", 1), ("abort", 1)),
     ),
@@ -1805,6 +1816,9 @@ CONFIGS: Final[dict[str, WorldConfig]] = {
         budgets=(("drop", 1),),
     ),
 }
+
+
+_FAULTS: Final = ("drop", "dup", "abort", "release", "read_fail", "kill", "lose")
 
 
 @dataclass
@@ -1927,8 +1941,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=1_000_000,
         help="stop a configuration after this many distinct states (default: %(default)s)",
     )
+    parser.add_argument(
+        "--budget",
+        action="append",
+        default=[],
+        metavar="FAULT=N",
+        help="set a fault budget of the chosen configurations (drop, dup, abort, release, "
+        "read_fail, kill, lose); repeatable",
+    )
     parser.add_argument("--list", action="store_true", help="list the configurations and exit")
     args = parser.parse_args(argv)
+    overrides: dict[str, int] = {}
+    for item in args.budget:
+        fault, _, count = item.partition("=")
+        if fault not in _FAULTS or not count.isdigit():
+            parser.error(f"--budget expects FAULT=N with FAULT in {', '.join(_FAULTS)}: {item!r}")
+        overrides[fault] = int(count)
     if args.list:
         for name, cfg in CONFIGS.items():
             print(f"{name}: {cfg}")
@@ -1938,9 +1966,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     violations = 0
     incomplete = 0
     for name in names:
-        result = explore(name, CONFIGS[name], max_states=args.max_states)
+        cfg = CONFIGS[name]
+        if overrides:
+            cfg = replace(cfg, budgets=tuple({**dict(cfg.budgets), **overrides}.items()))
+        result = explore(name, cfg, max_states=args.max_states)
         total_states += result.states
-        status = "complete" if result.complete else f"stopped at --max-states {args.max_states}"
+        if result.violation is not None:
+            status = "stopped at a violation"
+        elif result.complete:
+            status = "complete"
+        else:
+            status = f"stopped at --max-states {args.max_states}"
         print(
             f"{name}: {result.states} distinct states, {result.transitions} transitions, "
             f"depth {result.depth}, {result.final_states} final states, {status}, "

@@ -278,3 +278,19 @@ def test_fingerprint_ignores_a_shift_of_time_and_counters() -> None:
     assert fingerprint(early) == fingerprint(late)
     early.prefill_add("r")
     assert fingerprint(early) != fingerprint(late)
+
+
+def test_budget_option_adds_faults(capsys: pytest.CaptureFixture[str]) -> None:
+    def states() -> int:
+        first = capsys.readouterr().out.splitlines()[0]
+        return int(first.split(": ")[1].split()[0])
+
+    assert main(["--config", "handshake"]) == 0
+    plain = states()
+    assert main(["--config", "handshake", "--budget", "kill=1", "--budget", "read_fail=1"]) == 0
+    assert states() > plain
+
+
+def test_budget_option_refuses_an_unknown_fault() -> None:
+    with pytest.raises(SystemExit):
+        main(["--config", "faults", "--budget", "teleport=1"])
