@@ -12,15 +12,16 @@ TP rank of every Decode engine) to three things it simulates:
   frames of one connection arrive in order (``WorldConfig.fifo``; frames of different
   connections interleave freely), a frame is never duplicated or corrupted, and frames are
   lost when a peer dies (its connections vanish) or a reconnect drops what was in the
-  socket buffers. The model goes further than ZMQ on purpose, to prove robustness: any
-  frame except a readiness may be dropped or duplicated at any time. Two things are NOT
-  faults the protocol claims to survive, and the model never does them: a readiness is
-  delivered exactly once (a duplicate read after its publication ended would read reused
-  storage; nothing on the wire can tell it from the original), and it arrives within half
-  of its lease (``recv < sent + lease_ms / 2``: Decode starts a read only while half the
-  lease is left since receipt, and that margin is the protocol's only defence against
-  clock-free reasoning going wrong). Time cannot pass that bound while such a frame is in
-  flight.
+  socket buffers. The model goes further than ZMQ on purpose, to prove robustness: frames
+  may be dropped (the explorer drops Decode->Prefill frames, the state machine any frame
+  but a readiness) or duplicated (any frame but a readiness) at any time. What the
+  protocol does NOT claim to survive, and the model does only when asked (the ``lose``
+  budget): a readiness is delivered exactly once (a duplicate read after its publication
+  ended would read reused storage; a lost one lets Decode complete a request from its last
+  layer alone when the layers live in different storages), and it arrives within half of
+  its lease (``recv < sent + lease_ms / 2``: Decode starts a read only while half the
+  lease is left since receipt, the protocol's only defence against clock-free reasoning
+  going wrong). Time cannot pass that bound while such a frame is in flight.
 * **memory**: every Prefill storage tensor holds what the last write put there
   (``(layer, version, owners)``); a read copies, per block, ``(layer, request, logical
   block, component)`` into the Decode destination it names (the K/V pool shared by the
@@ -48,11 +49,15 @@ the executor of read plans (:meth:`World.execute_read`) with real transports;
 
 The explorer (``python -m rd2h_protocol.explore``) runs a breadth-first search over every
 interleaving of the enabled actions of small configurations (``CONFIGS``), with a budget
-for each fault (dropped replies, aborts, client releases, read failures, kills). A state is
-a pickle of the world (the endpoints are plain objects), its fingerprint the hash of that
-pickle; counters that never change behaviour are reset first so that equal states merge.
-Breadth first means the first violation found has a shortest trace, which it prints. A
-state with no enabled action must satisfy L1 and B1 (no deadlock, nothing left behind).
+for each fault (dropped replies, aborts, early releases, read failures, kills). A state is
+a pickle of the world (the endpoints are plain objects, shared configuration left out);
+its fingerprint is the hash of a canonical form (see :func:`fingerprint`) in which what
+never changes behaviour is left out (dict order, read ids, counters, texts, the history
+of finished requests, a shift of every time), so that states reached along different
+paths merge. Time moves in ticks once every due timer fired and no compute step is
+possible (the network and reads may be slow; timers and compute are prompt). Breadth first
+means the first violation found has a shortest trace, which it prints. A state with no
+enabled action must satisfy L1 and B1 (no deadlock, nothing left behind).
 """
 
 from __future__ import annotations

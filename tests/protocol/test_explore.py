@@ -5,6 +5,7 @@ bugs it found stay fixed (each pinned by a direct test of the endpoint).
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from collections.abc import Callable
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from rd2h_protocol import explore as explore_module
 from rd2h_protocol import producer as producer_module
 from rd2h_protocol._machine import TransitionDecl
 from rd2h_protocol.codec import encode
@@ -36,6 +38,7 @@ from rd2h_protocol.explore import (
     fingerprint,
     main,
 )
+from rd2h_protocol.invariants import INVARIANTS
 from rd2h_protocol.layout import (
     ComponentDest,
     DestinationLayout,
@@ -294,3 +297,10 @@ def test_budget_option_adds_faults(capsys: pytest.CaptureFixture[str]) -> None:
 def test_budget_option_refuses_an_unknown_fault() -> None:
     with pytest.raises(SystemExit):
         main(["--config", "faults", "--budget", "teleport=1"])
+
+
+def test_every_invariant_of_the_spec_is_checked_by_the_world() -> None:
+    """The world raises a violation for each invariant rd2h_protocol.invariants states."""
+    source = Path(explore_module.__file__).read_text()
+    raised = set(re.findall(r'InvariantViolation\(\s*"(\w+)"', source))
+    assert {name for name, _, _ in INVARIANTS} <= raised
