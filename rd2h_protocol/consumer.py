@@ -1269,8 +1269,21 @@ class ConsumerEndpoint:
                 and req.in_flight == 0
                 and req.contributors is not None
                 and req.contributors.complete
+                and not self._named_by_parked(req.ext_id)
             ):
                 self._request_event(req, R_LOCAL_ALL_DONE, now)
+
+    def _named_by_parked(self, ext: str) -> bool:
+        """Whether a parked readiness names ``ext``: its blocks are not read yet.
+
+        Parking serves a readiness after later ones of the same session (those name only
+        known requests), so the last layer's done signal can arrive first; the request is
+        done only once the parked readiness was read too (its own completion check).
+        """
+        return any(
+            isinstance(item, _Readiness) and ext in _message_ids(item.msg)
+            for item in self._parked.values()
+        )
 
     def _may_retry(self, rd: _Readiness, error: TransferError, now: float) -> bool:
         return (
