@@ -24,6 +24,7 @@ from rd2h_protocol.consumer import (
     ConsumerEndpoint,
     Releasable,
     Reply,
+    RequestDone,
     RequestFailed,
     StartRead,
 )
@@ -57,15 +58,21 @@ from rd2h_protocol.producer_machines import (
 # -- regressions found by the explorer, pinned on the endpoint itself ---------------------
 
 
-def _consumer_with_read_in_flight() -> tuple[ConsumerEndpoint, StartRead]:
-    """One Decode rank, two requests, one leased readiness read in flight for both."""
-    dest = DestinationLayout(
-        ComponentDest(0x9000_0000, 64, 16),
-        ComponentDest(0xA000_0000, 64, 16),
-        ComponentDest(0xB000_0000, 16, 16),
-        ComponentDest(0xC000_0000, 4, 16),
+def _decode_rank(layers: int = 1) -> ConsumerEndpoint:
+    """One Decode rank (TP 1) with a v2 Prefill session ``p0`` handshaken."""
+    names = [f"layer{i}" for i in range(layers)]
+    dests = [
+        DestinationLayout(
+            ComponentDest(0x9000_0000 + i * 0x10_0000, 64, 16),
+            ComponentDest(0xA000_0000 + i * 0x10_0000, 64, 16),
+            ComponentDest(0xB000_0000 + i * 0x10_0000, 16, 16),
+            ComponentDest(0xC000_0000 + i * 0x10_0000, 4, 16),
+        )
+        for i in range(layers)
+    ]
+    ep = ConsumerEndpoint(
+        ConsumerConfig(d_rank=0, d_tp=1, layers=list(zip(names, dests, strict=True)))
     )
-    ep = ConsumerEndpoint(ConsumerConfig(d_rank=0, d_tp=1, layers=[("layer0", dest)]))
     src = LayerLayout(
         base_addrs=[0x1000_0000, 0x2000_0000, 0x3000_0000, 0x4000_0000],
         block_len=[64, 64, 16, 4],
@@ -74,11 +81,17 @@ def _consumer_with_read_in_flight() -> tuple[ConsumerEndpoint, StartRead]:
     )
     meta = MfMeta(
         p_session="p0",
-        encoded_layer_metadata=encode_layer_metadata({"layer0": src}),
+        encoded_layer_metadata=encode_layer_metadata(dict.fromkeys(names, src)),
         protocol_version=2,
         capabilities=list(ALL_CAPABILITIES),
     )
     ep.receive_frame(b"p0", encode(meta), 0.0)
+    return ep
+
+
+def _consumer_with_read_in_flight() -> tuple[ConsumerEndpoint, StartRead]:
+    """One Decode rank, two requests, one leased readiness read in flight for both."""
+    ep = _decode_rank()
     ep.add_request("r0", [0], [0], 0.0)
     ep.add_request("r1", [1], [1], 0.0)
     batch = ReadReadyBatch(
@@ -113,6 +126,41 @@ def test_failed_retry_skips_a_request_released_meanwhile() -> None:
     (reply,) = [o.msg for o in outs if isinstance(o, Reply)]
     assert isinstance(reply, ReadFailed) and reply.code == ErrorCode.LEASE_EXPIRED
     assert ep.requests() == {"r1": "failed"}
+
+
+def test_no_done_while_a_parked_readiness_still_names_the_request() -> None:
+    """Found by the state machine: layer 0 names r0 and r1, which this rank does not know
+    yet, so it is parked; layer 1 (the last) names r0 alone, is read at once and carries
+    r0's done signal. r0 must not be done before its parked layer 0 is read: Decode would
+    schedule it with layer 0 missing (the parked readiness, served later, would find r0
+    done and isolate it)."""
+    ep = _decode_rank(layers=2)
+    ep.add_request("r0", [0], [0], 0.0)
+    first = ReadReadyBatch(
+        layer_idx=0,
+        layer_name="layer0",
+        read_reqs=[ReadReq("r0", [3], [3]), ReadReq("r1", [4], [4])],
+        seq=0,
+        lease_ms=1000,
+    )
+    assert ep.receive_frame(b"p0", encode(first), 0.0) == []  # parked: r1 is unknown
+    last = ReadReadyBatch(
+        layer_idx=1,
+        layer_name="layer1",
+        read_reqs=[ReadReq("r0", [3], [3])],
+        done_ext_ids=["r0"],
+        seq=1,
+        lease_ms=1000,
+    )
+    (start,) = [o for o in ep.receive_frame(b"p0", encode(last), 0.0) if isinstance(o, StartRead)]
+    outs = ep.read_finished(start.plan.read_id, None, 0.0)
+    assert not [o for o in outs if isinstance(o, RequestDone)]
+    assert ep.requests() == {"r0": "receiving"}
+    # r1 arrives: layer 0 is served, read, and only now is r0 done.
+    outs = ep.add_request("r1", [1], [1], 0.1)
+    (start,) = [o for o in outs if isinstance(o, StartRead)]
+    outs = ep.read_finished(start.plan.read_id, None, 0.1)
+    assert [o.ext_req_id for o in outs if isinstance(o, RequestDone)] == ["r0"]
 
 
 # -- the explorer --------------------------------------------------------------------------
