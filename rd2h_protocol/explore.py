@@ -65,7 +65,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import io
+import multiprocessing
 import operator
+import os
 import pickle
 import sys
 import time
@@ -147,14 +149,18 @@ Value: TypeAlias = tuple[object, ...]
 class InvariantViolation(AssertionError):
     """An invariant of :data:`rd2h_protocol.invariants.INVARIANTS` (or the data check) broke.
 
-    ``name`` is the invariant (S1, S2, S3, L1, B1) or ``DATA`` for a read whose blocks
-    landed in the wrong place; ``detail`` says what was seen.
+    ``name`` is the invariant (S1, S2, S3, L1, B1), ``DATA`` for a read whose blocks
+    landed in the wrong place, or ``CRASH`` (explorer) for an endpoint that raised;
+    ``detail`` says what was seen.
     """
 
     def __init__(self, name: str, detail: str) -> None:
         super().__init__(f"{name}: {detail}")
         self.name = name
         self.detail = detail
+
+    def __reduce__(self) -> tuple[type[InvariantViolation], tuple[str, str]]:
+        return type(self), (self.name, self.detail)  # results cross process boundaries
 
 
 class Frame(NamedTuple):
@@ -186,7 +192,8 @@ class WorldConfig:
     are fewer storages than layers). ``requests`` are created at the start (``upfront``:
     also registered on both sides at time 0, in order). ``budgets`` bounds the faults the
     explorer may inject (``drop`` a Decode->Prefill frame, ``dup`` any frame but a
-    readiness, ``abort``, ``release`` early, ``read_fail``, ``kill`` an endpoint, and
+    readiness, ``abort`` on either side, ``prefill_abort``, ``release`` early,
+    ``read_fail``, ``kill`` an endpoint, and
     ``lose`` a readiness: a fault beyond what the protocol claims to survive, for
     experiments); :mod:`rd2h_protocol.testing` ignores it. ``tick`` (explorer): time moves
     in steps of this many seconds, and only once every due timer fired; use a power of two
@@ -194,6 +201,8 @@ class WorldConfig:
     ``auto_release``: Decode releases a request the moment it finished on every rank (a
     release before that is then a fault, within the ``release`` budget). ``warmup``: run
     one request per engine to the end first, so that every connection has its handshake.
+    ``late_decode``: requests (of ``upfront``) that Decode allocates only later, as an
+    action: the rendezvous outran the Decode worker, so their readiness may be parked.
     """
 
     p_tp: int = 2
@@ -213,6 +222,7 @@ class WorldConfig:
     tick: float | None = None
     auto_release: bool = False
     warmup: bool = False
+    late_decode: tuple[str, ...] = ()
 
 
 @dataclass(slots=True)
@@ -382,7 +392,8 @@ class World:
             self.new_request(spec)
         if cfg.upfront:
             for spec in cfg.requests:
-                self.decode_add(spec.ext_id)
+                if spec.ext_id not in cfg.late_decode:
+                    self.decode_add(spec.ext_id)
                 self.prefill_add(spec.ext_id)
 
     # -- construction ----------------------------------------------------------------------
@@ -1175,11 +1186,11 @@ class World:
             live = req.decode_added and not req.abandoned and not req.released
             if live and ((req.finished and not self.cfg.auto_release) or self._budget("release")):
                 acts.append(("release", ext))
-            if self._budget("abort"):
-                if req.prefill_added and any(ext in p.requests() for p in self.producers):
-                    acts.append(("prefill_abort", ext))
-                if live and not req.decode_aborted:
-                    acts.append(("decode_abort", ext))
+            may_abort = self._budget("abort") or self._budget("prefill_abort")
+            if may_abort and any(ext in p.requests() for p in self.producers):
+                acts.append(("prefill_abort", ext))
+            if self._budget("abort") and live and not req.decode_aborted:
+                acts.append(("decode_abort", ext))
         if self._budget("kill"):
             acts.extend(("kill_decode", e) for e in range(len(self.cfg.engines)))
             acts.extend(("kill_prefill", p) for p in range(self.cfg.p_tp))
@@ -1240,9 +1251,12 @@ class World:
             if not self.reqs[ext].finished:
                 self._spend("release")
             self.release(ext)
-        elif kind in ("prefill_abort", "decode_abort"):
+        elif kind == "prefill_abort":
+            self._spend("prefill_abort" if self._budget("prefill_abort") else "abort")
+            self.prefill_abort(str(action[1]))
+        elif kind == "decode_abort":
             self._spend("abort")
-            (self.prefill_abort if kind == "prefill_abort" else self.decode_abort)(str(action[1]))
+            self.decode_abort(str(action[1]))
         elif kind == "kill_decode":
             self._spend("kill")
             self.kill_decode(_int(action[1]))
@@ -1809,6 +1823,18 @@ CONFIGS: Final[dict[str, WorldConfig]] = {
         requests=_two_requests((0, 0)),
         budgets=(("drop", 1), ("abort", 1)),
     ),
+    # The rendezvous outruns the Decode worker: readiness naming r1 waits in the park
+    # while readiness naming r0 alone may be served first (pipelined layers, a Prefill
+    # abort).
+    "parking": replace(
+        _EXPLORED,
+        p_tp=1,
+        n_storages=2,
+        kv_load_timeout_s=1.0,
+        requests=_two_requests((0, 0)),
+        late_decode=("r1",),
+        budgets=(("prefill_abort", 1),),
+    ),
     # Two Decode engines reading the same Prefill storage (one request each): the gate
     # must wait for both publications of a layer.
     "two-engines": replace(_EXPLORED, p_tp=1, engines=(1, 1), requests=_two_requests((0, 1))),
@@ -1823,7 +1849,7 @@ CONFIGS: Final[dict[str, WorldConfig]] = {
 }
 
 
-_FAULTS: Final = ("drop", "dup", "abort", "release", "read_fail", "kill", "lose")
+_FAULTS: Final = ("drop", "dup", "abort", "prefill_abort", "release", "read_fail", "kill", "lose")
 
 
 @dataclass
@@ -1927,8 +1953,15 @@ def explore(
     return result
 
 
+def _explore_job(name: str, cfg: WorldConfig, max_states: int) -> ExploreResult:
+    return explore(name, cfg, max_states=max_states)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m rd2h_protocol.explore [--config NAME ...] [--max-states N]``."""
+    """``python -m rd2h_protocol.explore [--config NAME ...] [--max-states N] [--jobs N]``.
+
+    Configurations run in parallel processes (``--jobs``); results print in order.
+    """
     parser = argparse.ArgumentParser(
         prog="python -m rd2h_protocol.explore",
         description="Explore every interleaving of small RD2H configurations and check the "
@@ -1951,8 +1984,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="append",
         default=[],
         metavar="FAULT=N",
-        help="set a fault budget of the chosen configurations (drop, dup, abort, release, "
-        "read_fail, kill, lose); repeatable",
+        help="set a fault budget of the chosen configurations (drop, dup, abort, "
+        "prefill_abort, release, read_fail, kill, lose); repeatable",
+    )
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=0,
+        help="configurations explored at once, one process each (default: one per CPU)",
     )
     parser.add_argument("--list", action="store_true", help="list the configurations and exit")
     args = parser.parse_args(argv)
@@ -1967,14 +2006,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"{name}: {cfg}")
         return 0
     names = args.config or list(CONFIGS)
+    cfgs = [CONFIGS[name] for name in names]
+    if overrides:
+        cfgs = [replace(c, budgets=tuple({**dict(c.budgets), **overrides}.items())) for c in cfgs]
+    jobs = min(len(names), args.jobs or os.cpu_count() or 1)
+    work = [(name, cfg, args.max_states) for name, cfg in zip(names, cfgs, strict=True)]
+    if jobs > 1:
+        with multiprocessing.get_context("fork").Pool(jobs) as pool:
+            results = pool.starmap(_explore_job, work, chunksize=1)
+    else:
+        results = [_explore_job(*job) for job in work]
     total_states = 0
     violations = 0
     incomplete = 0
-    for name in names:
-        cfg = CONFIGS[name]
-        if overrides:
-            cfg = replace(cfg, budgets=tuple({**dict(cfg.budgets), **overrides}.items()))
-        result = explore(name, cfg, max_states=args.max_states)
+    for name, result in zip(names, results, strict=True):
         total_states += result.states
         if result.violation is not None:
             status = "stopped at a violation"

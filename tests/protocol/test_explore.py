@@ -166,26 +166,22 @@ def test_no_done_while_a_parked_readiness_still_names_the_request() -> None:
 # -- the explorer --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_every_configuration_is_explored_completely_without_violation(name: str) -> None:
-    result = explore(name, CONFIGS[name])
-    assert result.violation is None, "\n".join([str(result.violation), *result.trace])
-    assert result.complete
-    assert result.states > 100 and result.final_states > 0
-
-
-def test_command_prints_state_counts_and_ends_with_no_violation() -> None:
+def test_command_explores_every_configuration_without_violation() -> None:
+    """What CI runs: every configuration, completely, in parallel processes."""
     proc = subprocess.run(
-        [sys.executable, "-m", "rd2h_protocol.explore", "--config", "handshake"],
+        [sys.executable, "-m", "rd2h_protocol.explore"],
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=110,
         check=False,
     )
-    assert proc.returncode == 0, proc.stderr
+    assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = proc.stdout.strip().splitlines()
-    assert lines[0].startswith("handshake: ") and "distinct states" in lines[0]
-    assert "violations=0" in lines[-1]
+    for name in CONFIGS:
+        (line,) = [x for x in lines if x.startswith(f"{name}: ")]
+        assert "distinct states" in line and ", complete," in line, line
+        assert int(line.split(": ")[1].split()[0]) > 100
+    assert "incomplete=0 violations=0" in lines[-1]
 
 
 def test_list_option_names_every_configuration(capsys: pytest.CaptureFixture[str]) -> None:
@@ -225,11 +221,18 @@ def plant_first_contributor_completes(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(ContributorSet, "report", report)
 
 
+def unfix_parked_completion(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bug the state machine found, put back: a parked readiness does not hold up the
+    completion of the requests it names."""
+    monkeypatch.setattr(ConsumerEndpoint, "_named_by_parked", lambda self, ext: False)
+
+
 @pytest.mark.parametrize(
     ("plant", "config", "invariant"),
     [
         (plant_early_gate, "two-engines", "S1"),
         (plant_first_contributor_completes, "tp2-d1", "S2"),
+        (unfix_parked_completion, "parking", "S2"),
     ],
 )
 def test_explorer_catches_a_planted_bug_with_a_shortest_trace(
