@@ -121,7 +121,7 @@ def decode_layers(num_blocks: int) -> list[tuple[str, DestinationLayout]]:
         (
             f"model.layers.{layer}.self_attn",
             DestinationLayout(
-                k=dest(layer, 0, "k"), v=dest(layer, 1, "v"), indexer=dest(layer, 2, "indexer")
+                main=(dest(layer, 0, "k"), dest(layer, 1, "v")), indexer=dest(layer, 2, "indexer")
             ),
         )
         for layer in range(LAYERS)

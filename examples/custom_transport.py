@@ -125,6 +125,12 @@ class Prefill:
                 buf[block * size : (block + 1) * size] = pattern(layer, component, logical, size)
 
 
+def destination(parts: list[ComponentDest]) -> DestinationLayout:
+    """K, V and indexer (BLOCK_BYTES's order) as one layer's destination."""
+    k, v, indexer, *scale = parts
+    return DestinationLayout((k, v), indexer, scale[0] if scale else None)
+
+
 @dataclass
 class Decode:
     """One Decode rank: its endpoint, its destinations and its inbox."""
@@ -142,11 +148,11 @@ class Decode:
         layers = [
             (
                 f"model.layers.{layer}.self_attn",
-                DestinationLayout(
-                    *(
+                destination(
+                    [
                         ComponentDest(addr, size, BLOCKS)
                         for (_, addr), size in zip(tensors, BLOCK_BYTES, strict=True)
-                    )
+                    ]
                 ),
             )
             for layer, tensors in enumerate(self.dests)

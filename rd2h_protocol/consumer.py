@@ -32,7 +32,9 @@ Serving one readiness (reference §2, departures 1, 4, 6, 11):
    ``num_blocks``: the request is *isolated* -- left out of the read, failed on this rank,
    and (v2 with the ``isolate`` capability) listed in the reply's ``failed``. Every other
    request contributes its share: the main blocks only from ``group_member_idx`` 0,
-   split over the Decode TP ranks with :func:`~rd2h_protocol.topology.main_share`; the
+   split over the Decode TP ranks with :func:`~rd2h_protocol.topology.main_share` when
+   the ranks share one main pool (``main_shared``), else all of them on every rank (each
+   rank's own KV cache, e.g. vLLM's); the
    indexer (and its scale) split over the contributors with
    :func:`~rd2h_protocol.topology.indexer_share`.
 5. ONE :class:`~rd2h_protocol.plan.ReadPlan` per message (``StartRead``), or, when this
@@ -194,6 +196,10 @@ class ConsumerConfig:
     transient error. ``max_retired``: how many recently finished request ids are
     remembered, so a late readiness for them is refused at once instead of parked.
     ``max_sessions``: Prefill sessions kept (the oldest handshake is forgotten first).
+    ``main_shared``: the main destinations are one pool shared by the Decode TP ranks
+    (vllm-ascend's SparseKVOffloadManager, a TP-shared host pool), so each rank reads a
+    disjoint share of the main blocks; False when every rank has its own full main KV
+    (vLLM's own KV cache), so every rank reads all of them from its contributor member 0.
     """
 
     d_rank: int
@@ -207,6 +213,7 @@ class ConsumerConfig:
     max_read_retries: int = 1
     max_retired: int = 16384
     max_sessions: int = 4096
+    main_shared: bool = True
 
     def __post_init__(self) -> None:
         if self.d_tp < 1:
@@ -651,7 +658,7 @@ class ConsumerEndpoint:
         layers: Sequence[tuple[str, DestinationLayout]],
     ) -> tuple[int | None, int | None]:
         """The block-id bounds a request's destination ids must respect on every layer."""
-        main = [n for _, d in layers for n in (d.k.num_blocks, d.v.num_blocks)]
+        main = [c.num_blocks for _, d in layers for c in d.main]
         idx = [c.num_blocks for _, d in layers for c in (d.indexer, d.scale) if c is not None]
         return (min(main) if main else None), (min(idx) if idx else None)
 
@@ -1189,7 +1196,7 @@ class ConsumerEndpoint:
         member = msg.group_member_idx
         # One Decode rank and one contributor (the usual shape): every share is the whole
         # entry (split_range over one rank), with no call per request.
-        whole = cfg.d_tp == 1 and msg.tp_ratio == 1
+        whole = (cfg.d_tp == 1 or not cfg.main_shared) and msg.tp_ratio == 1
         num_blocks = src.num_blocks
         if num_blocks is not None and rd.ids_below is not None and rd.ids_below <= num_blocks:
             num_blocks = None  # every Prefill id of the message is below it: checked already
@@ -1197,8 +1204,10 @@ class ConsumerEndpoint:
         n = len(main_ids)
         if whole:
             start, end = 0, n
-        else:
+        elif cfg.main_shared:
             start, end = main_share(n, cfg.d_rank, cfg.d_tp, rr.main_start_block, member)
+        else:
+            start, end = main_share(n, 0, 1, rr.main_start_block, member)
         main_src: Sequence[int] = ()
         main_dst: Sequence[int] = ()
         if member == 0:

@@ -288,6 +288,12 @@ class _Static:
 _STATICS: dict[int, _Static] = {}
 
 
+def _destination(parts: list[ComponentDest]) -> DestinationLayout:
+    """K, V, indexer, scale (in BLOCK_LEN's order) as one layer's destination."""
+    k, v, indexer, scale = parts
+    return DestinationLayout((k, v), indexer, scale)
+
+
 def _static_of(cfg: WorldConfig) -> _Static:
     static = _STATICS.get(id(cfg))
     if static is not None:
@@ -307,11 +313,11 @@ def _static_of(cfg: WorldConfig) -> _Static:
     decode = [
         (
             layer_name(layer),
-            DestinationLayout(
-                *(
+            _destination(
+                [
                     ComponentDest(base, size, NUM_DECODE_BLOCKS)
                     for base, size in zip(_decode_bases(layer), BLOCK_LEN, strict=True)
-                )
+                ]
             ),
         )
         for layer in range(cfg.n_layers)

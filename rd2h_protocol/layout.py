@@ -9,8 +9,10 @@ keyed by Prefill main layer name whose values are maps with str keys (one
 
     base_addrs = [K, V, indexer_k?, indexer_scale?]
 
-The first ``main_tensor_count`` (2) are the main KV; the next one, if present, is the
-sparse-attention indexer; the one after that, if present, is the LIC8 scale that follows
+The first ``main_tensor_count`` are the main KV: 2 (K and V as separate block arrays,
+what v1 peers send) or 1 (one block array holding K and V side by side, vLLM 0.32's
+layout for most attention backends, or an MLA latent cache); the next one, if present, is
+the sparse-attention indexer; the one after that, if present, is the LIC8 scale that follows
 the indexer's block ids. Sizes are given per *kernel* block (``block_len``) together with
 the number of kernel blocks per vLLM block (``block_size_scale``); the protocol always
 speaks vLLM blocks, so the bytes one block id covers are their product.
@@ -62,12 +64,13 @@ MAX_TENSOR_GROUP: Final = (1 << 16) - 1
 MAX_NUM_BLOCKS: Final = (1 << 32) - 1
 _ADDR_LIMIT: Final = 1 << 64  # addresses are uint64; a tensor must end at or below this
 
-#: The main tensor count every layer must have (K and V).
+#: The main tensor count a v1 peer sends and assumes when the key is absent (K and V).
 MAIN_TENSOR_COUNT: Final = 2
 
 #: Component names, as :class:`~rd2h_protocol.plan.ComponentAddrs` and errors use them.
 K: Final = "k"
 V: Final = "v"
+KV: Final = "kv"  # one main component: K and V side by side per block, or an MLA latent
 INDEXER: Final = "indexer"
 SCALE: Final = "scale"
 
@@ -353,14 +356,39 @@ class ComponentDest:
     num_blocks: int
 
 
+def main_component_names(count: int) -> tuple[str, ...]:
+    """Names of ``count`` main components: ``("k", "v")``, ``("kv",)``, else numbered."""
+    if count == 2:
+        return (K, V)
+    if count == 1:
+        return (KV,)
+    return tuple(f"main{i}" for i in range(count))
+
+
 @dataclass(frozen=True, slots=True)
 class DestinationLayout:
-    """The Decode side of one layer: K and V, and the optional indexer and scale."""
+    """The Decode side of one layer: its main components and the optional indexer and scale.
 
-    k: ComponentDest
-    v: ComponentDest
+    ``main`` is ``(K, V)`` when K and V are separate block arrays, or ``(KV,)`` when one
+    block array holds both (vLLM 0.32's own caches) or an MLA latent cache; the count must
+    equal the Prefill layout's ``main_tensor_count``.
+    """
+
+    main: tuple[ComponentDest, ...]
     indexer: ComponentDest | None = None
     scale: ComponentDest | None = None
+
+    def __post_init__(self) -> None:
+        if not 1 <= len(self.main) <= MAX_MAIN_TENSORS:
+            raise LocalProtocolError(
+                f"a destination needs 1..{MAX_MAIN_TENSORS} main components, got {len(self.main)}"
+            )
+        if self.scale is not None and self.indexer is None:
+            raise LocalProtocolError("a destination with a LIC8 scale needs an indexer")
+
+    def components(self) -> tuple[ComponentDest, ...]:
+        """Every component: main ones, then the indexer and the scale when present."""
+        return (*self.main, *(c for c in (self.indexer, self.scale) if c is not None))
 
 
 def _presence(present: bool) -> str:
@@ -380,22 +408,27 @@ def validate_layer(
 ) -> tuple[tuple[ComponentAddrs, ...], tuple[ComponentAddrs, ...]]:
     """Check Prefill's layout of ``layer`` against Decode's destination.
 
-    Returns ``(main, indexer)``: the K and V components, and the indexer followed by the
-    scale when present (empty without an indexer). Raises :class:`LayoutMismatch` naming
-    the layer, the component and both sides' values on the first disagreement: main tensor
-    count 2; K and V bytes per block; indexer presence and bytes per block; scale presence
-    and bytes per block.
+    Returns ``(main, indexer)``: the main components (K and V, or one combined KV), and
+    the indexer followed by the scale when present (empty without an indexer). Raises
+    :class:`LayoutMismatch` naming the layer, the component and both sides' values on the
+    first disagreement: main tensor count (2 split K/V against 1 combined is refused, so a
+    v1 peer never writes half a block); bytes per block of each main component; indexer
+    presence and bytes per block; scale presence and bytes per block.
     """
-    if src.main_tensor_count != MAIN_TENSOR_COUNT:
-        raise LayoutMismatch(layer, "main_tensor_count", src.main_tensor_count, MAIN_TENSOR_COUNT)
-    main = (_component(layer, K, src, 0, dst.k), _component(layer, V, src, 1, dst.v))
+    count = src.main_tensor_count
+    if count != len(dst.main):
+        raise LayoutMismatch(layer, "main_tensor_count", count, len(dst.main))
+    main = tuple(
+        _component(layer, name, src, i, dest)
+        for i, (name, dest) in enumerate(zip(main_component_names(count), dst.main, strict=True))
+    )
     indexer: list[ComponentAddrs] = []
     optional = ((INDEXER, dst.indexer, src.has_indexer_tensor), (SCALE, dst.scale, src.has_scale))
     for offset, (name, dest, present) in enumerate(optional):
         if present != (dest is not None):
             raise LayoutMismatch(layer, name, _presence(present), _presence(dest is not None))
         if dest is not None:
-            indexer.append(_component(layer, name, src, MAIN_TENSOR_COUNT + offset, dest))
+            indexer.append(_component(layer, name, src, count + offset, dest))
     return main, tuple(indexer)
 
 

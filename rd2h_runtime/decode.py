@@ -85,9 +85,8 @@ def destination_regions(layers: Iterable[tuple[str, DestinationLayout]]) -> list
     """The memory regions of a set of Decode destinations: ``(addr, length)`` each."""
     regions: list[tuple[int, int]] = []
     for _, dst in layers:
-        for comp in (dst.k, dst.v, dst.indexer, dst.scale):
-            if comp is not None:
-                regions.append((comp.base, comp.block_bytes * comp.num_blocks))
+        for comp in dst.components():
+            regions.append((comp.base, comp.block_bytes * comp.num_blocks))
     return regions
 
 

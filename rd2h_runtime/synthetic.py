@@ -427,8 +427,7 @@ class DecodeDestinations:
                 (
                     self.model.layer_name(layer),
                     DestinationLayout(
-                        k=self.component(rank, layer, "k"),
-                        v=self.component(rank, layer, "v"),
+                        main=(self.component(rank, layer, "k"), self.component(rank, layer, "v")),
                         indexer=self.component(rank, layer, "indexer")
                         if "indexer" in comps
                         else None,

@@ -86,8 +86,7 @@ def dst_layout(*, indexer: bool = True, num_blocks: int = NUM_BLOCKS) -> Destina
         return ComponentDest(D_BASES[i], size, num_blocks)
 
     return DestinationLayout(
-        k=comp(0, K_BYTES),
-        v=comp(1, V_BYTES),
+        main=(comp(0, K_BYTES), comp(1, V_BYTES)),
         indexer=comp(2, IDX_BYTES) if indexer else None,
         scale=comp(3, SCALE_BYTES) if indexer else None,
     )
@@ -412,9 +411,10 @@ def _chunk_reads(
     return starts[0].plan if starts else None
 
 
+@pytest.mark.parametrize("main_shared", [True, False], ids=["shared-pool", "rank-local"])
 @pytest.mark.parametrize(("p_tp", "d_tp"), [(4, 2), (4, 1), (2, 2), (8, 2)])
 def test_unequal_tp_main_from_member_0_split_over_ranks_indexer_split_over_members(
-    p_tp: int, d_tp: int
+    p_tp: int, d_tp: int, main_shared: bool
 ) -> None:
     n_main, n_idx = 11, 7
     p_main = list(range(100, 100 + n_main))
@@ -423,7 +423,7 @@ def test_unequal_tp_main_from_member_0_split_over_ranks_indexer_split_over_membe
     d_idx = list(range(30, 30 + n_idx))
     main_written: list[int] = []
     for d_rank in range(d_tp):
-        ep = endpoint(d_rank=d_rank, d_tp=d_tp)
+        ep = endpoint(d_rank=d_rank, d_tp=d_tp, main_shared=main_shared)
         ep.add_request("r1", d_main, d_idx, 0.0)
         idx_written: list[int] = []
         for p_rank in range(p_tp):
@@ -454,8 +454,12 @@ def test_unequal_tp_main_from_member_0_split_over_ranks_indexer_split_over_membe
         # Every Decode rank holds the whole indexer, each block written once.
         assert sorted(idx_written) == d_idx
         assert ep.requests() == {"r1": "done_on_rank"}
-    # The main pool is shared: the Decode ranks together write every block once.
-    assert sorted(main_written) == d_main
+    if main_shared:
+        # The main pool is shared: the Decode ranks together write every block once.
+        assert sorted(main_written) == d_main
+    else:
+        # Each rank has its own main KV (vLLM's cache): each writes every block once.
+        assert sorted(main_written) == sorted(d_main * d_tp)
 
 
 def test_contributor_completion_needs_every_member_duplicates_ignored() -> None:

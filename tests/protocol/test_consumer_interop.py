@@ -56,8 +56,7 @@ def _src(rank: int) -> LayerLayout:
 
 def _dst() -> DestinationLayout:
     return DestinationLayout(
-        ComponentDest(0xA000_0000, K, BLOCKS),
-        ComponentDest(0xB000_0000, V, BLOCKS),
+        (ComponentDest(0xA000_0000, K, BLOCKS), ComponentDest(0xB000_0000, V, BLOCKS)),
         ComponentDest(0xC000_0000, IDX, BLOCKS),
         ComponentDest(0xD000_0000, SCALE, BLOCKS),
     )

@@ -63,8 +63,10 @@ def _decode_rank(layers: int = 1) -> ConsumerEndpoint:
     names = [f"layer{i}" for i in range(layers)]
     dests = [
         DestinationLayout(
-            ComponentDest(0x9000_0000 + i * 0x10_0000, 64, 16),
-            ComponentDest(0xA000_0000 + i * 0x10_0000, 64, 16),
+            (
+                ComponentDest(0x9000_0000 + i * 0x10_0000, 64, 16),
+                ComponentDest(0xA000_0000 + i * 0x10_0000, 64, 16),
+            ),
             ComponentDest(0xB000_0000 + i * 0x10_0000, 16, 16),
             ComponentDest(0xC000_0000 + i * 0x10_0000, 4, 16),
         )

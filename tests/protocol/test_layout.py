@@ -73,7 +73,9 @@ def _dest(tensors: int = 4, **overrides: ComponentDest | None) -> DestinationLay
         "scale": ComponentDest(0x4000, 8, 50) if tensors > 3 else None,
     }
     parts.update(overrides)
-    return DestinationLayout(**parts)  # type: ignore[arg-type]
+    k, v = parts.pop("k"), parts.pop("v")
+    assert k is not None and v is not None
+    return DestinationLayout(main=(k, v), **parts)
 
 
 # -- MF_META inner payload: fields, defaults, derived sizes --------------------------------
@@ -460,6 +462,46 @@ def test_validate_layer_without_indexer_or_scale() -> None:
     main, indexer = validate_layer("l5", _layout(3), _dest(3))
     assert [c.name for c in indexer] == ["indexer"]
     assert len(main) == 2
+
+
+def test_combined_kv_layout_validates_one_main_component() -> None:
+    # vLLM 0.32's caches: one block array holds K and V side by side (or an MLA latent).
+    src = LayerLayout(
+        base_addrs=[K_BASE, IDX_BASE],
+        block_len=[4096, 256],
+        tensor_group_idx=[0, 1],
+        main_tensor_count=1,
+    )
+    assert src.has_indexer and not src.has_scale
+    dst = DestinationLayout(
+        main=(ComponentDest(0x1000, 4096, 50),), indexer=ComponentDest(0x3000, 256, 50)
+    )
+    main, indexer = validate_layer("model.layers.3", src, dst)
+    assert main == (ComponentAddrs("kv", K_BASE, 0x1000, 4096),)
+    assert indexer == (ComponentAddrs("indexer", IDX_BASE, 0x3000, 256),)
+    # It round-trips through the MF_META inner blob with its count.
+    assert decode_layer_metadata(encode_layer_metadata({"l": src}))["l"] == src
+
+
+def test_v1_split_kv_peer_against_a_combined_destination_is_refused() -> None:
+    # A v1 Prefill (K and V as two tensors) must not write half-blocks into one KV block.
+    src = _layout(2)
+    combined = DestinationLayout(main=(ComponentDest(0x1000, 1024 + 128, 50),))
+    with pytest.raises(LayoutMismatch) as info:
+        validate_layer("model.layers.0", src, combined)
+    assert (info.value.component, info.value.prefill, info.value.decode) == (
+        "main_tensor_count",
+        2,
+        1,
+    )
+    assert "Prefill has 2, Decode has 1" in str(info.value)
+
+
+def test_destination_layout_needs_main_and_an_indexer_under_a_scale() -> None:
+    with pytest.raises(LocalProtocolError, match="main components"):
+        DestinationLayout(main=())
+    with pytest.raises(LocalProtocolError, match="scale needs an indexer"):
+        DestinationLayout(main=(ComponentDest(0, 1, 1),), scale=ComponentDest(0, 1, 1))
 
 
 def test_layout_check_main_tensor_count_two() -> None:

@@ -63,8 +63,10 @@ def pair(request: pytest.FixtureRequest) -> Iterator[tuple[PrefillWorker, Decode
                 (
                     name,
                     DestinationLayout(
-                        k=ComponentDest(0x5000_0000, 64, BLOCKS),
-                        v=ComponentDest(0x6000_0000, 64, BLOCKS),
+                        main=(
+                            ComponentDest(0x5000_0000, 64, BLOCKS),
+                            ComponentDest(0x6000_0000, 64, BLOCKS),
+                        ),
                         indexer=None,
                         scale=None,
                     ),
