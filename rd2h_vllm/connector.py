@@ -19,7 +19,8 @@ class is thin glue; every decision lives elsewhere:
 Hooks for integrations (all optional, called before ``register_kv_caches``):
 :meth:`~SfaRemoteD2HConnector.set_destination_provider` (vllm-ascend's
 ``SparseKVOffloadManager`` through :class:`~rd2h_vllm.destinations.SparseOffloadDestinations`;
-without one Decode uses a :class:`~rd2h_vllm.destinations.HostPoolDestinations`),
+without one Decode reads into vLLM's own KV cache,
+:class:`~rd2h_vllm.destinations.VllmCacheDestinations`),
 :meth:`~SfaRemoteD2HConnector.bind_tp_group` (a TP group other than vLLM's), and
 :meth:`~SfaRemoteD2HConnector.create_backend` (override to supply a transfer backend).
 
@@ -48,7 +49,8 @@ from rd2h_protocol.errors import ConfigError
 from rd2h_runtime.control import ControlOptions
 from rd2h_runtime.transfer import TransferBackend, create_backend
 from rd2h_vllm.config import Rd2hConfig, from_vllm_config
-from rd2h_vllm.destinations import DestinationProvider, HostPoolDestinations, device_events
+from rd2h_vllm.destinations import DestinationProvider, VllmCacheDestinations, device_events
+from rd2h_vllm.kv_layout import check_layer_compact
 from rd2h_vllm.metaserver import RendezvousPoster
 from rd2h_vllm.metrics import Rd2hKVConnectorStats, Rd2hMetricsMixin
 from rd2h_vllm.scheduler import CacheGroups, Rd2hConnectorMetadata, SchedulerSide
@@ -58,7 +60,7 @@ from rd2h_vllm.worker import (
     TpGroup,
     compat_string,
     default_tp_group,
-    host_pool_specs,
+    layout_summary,
     split_kv_caches,
 )
 
@@ -111,7 +113,6 @@ class SfaRemoteD2HConnector(Rd2hMetricsMixin, KVConnectorBase_V1, SupportsHMA):
         self._poster: RendezvousPoster | None = None
         self._tp: TpGroup | None = None
         self._destinations: DestinationProvider | None = None
-        self._own_destinations: HostPoolDestinations | None = None
         if role == KVConnectorRole.SCHEDULER:
             if self.config.is_consumer:
                 self._poster = RendezvousPoster(self.config.metaserver)
@@ -136,7 +137,7 @@ class SfaRemoteD2HConnector(Rd2hMetricsMixin, KVConnectorBase_V1, SupportsHMA):
         self._tp = group
 
     def set_destination_provider(self, provider: DestinationProvider) -> None:
-        """Decode: where the pulled KV goes (default: a generic host pool)."""
+        """Decode: where the pulled KV goes (default: vLLM's own KV cache)."""
         self._destinations = provider
 
     def create_backend(self, role: str) -> TransferBackend:
@@ -164,6 +165,7 @@ class SfaRemoteD2HConnector(Rd2hMetricsMixin, KVConnectorBase_V1, SupportsHMA):
         tp = self._tp if self._tp is not None else default_tp_group(self.config)
         self._tp = tp
         num_blocks = self._kv_cache_config.num_blocks
+        check_layer_compact(self._kv_cache_layout(), self._kv_cache_config.kv_cache_tensors)
         provided = self._destinations if self.config.is_consumer else None
         # A Decode with a destination provider may keep no main KV of its own.
         layers = [] if provided is not None else split_kv_caches(kv_caches, num_blocks)
@@ -185,9 +187,17 @@ class SfaRemoteD2HConnector(Rd2hMetricsMixin, KVConnectorBase_V1, SupportsHMA):
                     tp=tp,
                     backend=backend,
                     # The caches' own device says where the scatter runs.
-                    events=device_events(layers[0].k.device.type),
+                    events=device_events(layers[0].device),
                     compat=compat,
                     control_options=self.control_options,
+                )
+                logger.info(
+                    "RD2H Prefill TP rank %d/%d: %s backend, protocol %s, KV %s",
+                    tp.rank,
+                    tp.size,
+                    self.config.transfer_backend,
+                    self.config.protocol,
+                    layout_summary(layers),
                 )
                 return
             destinations = self._destinations
@@ -197,19 +207,10 @@ class SfaRemoteD2HConnector(Rd2hMetricsMixin, KVConnectorBase_V1, SupportsHMA):
                         "sparse_kv_offload_config is enabled but no destination provider was "
                         "set: bind vllm-ascend's SparseKVOffloadManager with "
                         "set_destination_provider(SparseOffloadDestinations(manager, "
-                        "kv_caches)) before register_kv_caches"
+                        "kv_caches)) before register_kv_caches, or disable "
+                        "sparse_kv_offload_config to read into vLLM's own KV cache"
                     )
-                shared = None
-                if self.config.tp_size > 1:
-                    # Every TP rank of this DP rank maps the same pool file.
-                    shared = (
-                        f"/dev/shm/rd2h-{self.config.engine_id or 'engine'}-"
-                        f"dp{self.config.dp_rank}.pool"
-                    )
-                self._own_destinations = HostPoolDestinations(
-                    host_pool_specs(layers, num_blocks), num_blocks, shared_path=shared
-                )
-                destinations = self._own_destinations
+                destinations = VllmCacheDestinations(layers, num_blocks)
             assert self.config.base_port is not None
             self.decode = DecodeSide(
                 self.config,
@@ -224,9 +225,27 @@ class SfaRemoteD2HConnector(Rd2hMetricsMixin, KVConnectorBase_V1, SupportsHMA):
                 report_block_errors=len(self._kv_cache_config.kv_cache_groups) == 1,
                 control_options=self.control_options,
             )
+            logger.info(
+                "RD2H Decode TP rank %d/%d listening on %s:%d: %s backend, destination %s%s",
+                tp.rank,
+                tp.size,
+                self._host(),
+                self.config.base_port + tp.rank,
+                self.config.transfer_backend,
+                type(destinations).__name__,
+                f", KV {layout_summary(layers)}" if layers else "",
+            )
         except BaseException:
             backend.close()
             raise
+
+    def _kv_cache_layout(self) -> Any:
+        """vLLM's resolved KV cache layout, or None where this vLLM has none."""
+        resolve = getattr(self._vllm_config.cache_config, "get_resolved_kv_cache_layout", None)
+        try:
+            return resolve() if resolve is not None else None
+        except ValueError:  # not resolved yet (tests that build configs by hand)
+            return None
 
     def _kv_dtype(self) -> str:
         """The KV cache dtype from configuration ("auto" means the model's dtype)."""
@@ -322,9 +341,6 @@ class SfaRemoteD2HConnector(Rd2hMetricsMixin, KVConnectorBase_V1, SupportsHMA):
         for part in (self.prefill, self.decode):
             if part is not None:
                 part.close()
-        if self._own_destinations is not None:
-            # One rank removes the shared pool file (the others' mappings stay valid).
-            self._own_destinations.close(unlink=self._tp is None or self._tp.rank == 0)
         if self._poster is not None:
             self._poster.close()
 

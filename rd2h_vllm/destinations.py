@@ -4,29 +4,31 @@ Theory of operation
 -------------------
 Decode reads every layer of a request into destinations it owns. Per main layer (in
 model order: a position in :attr:`DestinationProvider.layer_names` is the ``layer_idx``
-of the wire) the connector needs the base address and bytes per vLLM block of K and of
-V, the optional sparse-attention indexer and LIC8 scale destinations, and how many
-blocks each holds. :meth:`DestinationProvider.layouts` turns that into the
+of the wire) the connector needs the base address and bytes per vLLM block of each main
+block array (K and V, or one array holding both), the optional sparse-attention indexer
+and LIC8 scale destinations, and how many blocks each holds.
+:meth:`DestinationProvider.layouts` turns that into the
 :class:`~rd2h_protocol.layout.DestinationLayout` list the Decode endpoint validates
 Prefill's MF_META against (``ConsumerConfig.layers``).
 
-Main K/V lives in a pool SHARED by the Decode TP ranks (each rank writes a disjoint share
-of the blocks, reference-behaviour.md §2), so its addresses must be valid on the rank
-that uses them; the indexer (and scale) is rank-local, a full copy on every rank.
-
 Bindings:
 
+* :class:`VllmCacheDestinations` (ordinary hosts): vLLM's own KV cache, the blocks its
+  scheduler allocated to the request, read in place, so vLLM's attention reads exactly
+  what Prefill computed. Every TP rank has its own cache, so each rank reads all main
+  blocks of its requests (``main_shared`` False).
 * :class:`SparseOffloadDestinations`: vllm-ascend's ``SparseKVOffloadManager``, duck-typed
   (no import of vllm-ascend): its ordered ``offload_layer_names``, the per-layer K and V
   global addresses ``gvas_k_bases`` / ``gvas_v_bases`` of its TP-shared pinned host pool,
   ``cpu_block_lens`` (K, V bytes per block) and ``kv_cache_config.num_blocks``. The
   indexer and scale are vLLM's ``kv_caches`` entries whose name contains "indexer",
-  matched to a main layer by ``layers.N`` (:func:`match_indexer_caches`).
-* :class:`HostPoolDestinations`: a generic host pool for engines without vllm-ascend.
-  Main K/V is one memory-mapped file in ``/dev/shm`` (every TP rank maps the same file,
-  so the ranks' shares land in one pool), page-locked with ``cudaHostRegister`` when
-  CUDA is available (plain pageable memory on a CPU-only host); indexer and scale are
-  private per-rank tensors.
+  matched to a main layer by ``layers.N`` (:func:`match_indexer_caches`). Main K/V lives
+  in a pool SHARED by the Decode TP ranks (each rank writes a disjoint share of the
+  blocks, reference-behaviour.md §2, ``main_shared`` True); the indexer (and scale) is
+  rank-local, a full copy on every rank. Its sparse-offload attention reads that pool.
+
+There is no generic host pool: KV that no attention backend reads would let Decode run
+on blocks that were never written.
 
 :func:`device_events` gives the one abstraction for "this layer's scatter has finished"
 on NPU (torch_npu), CUDA, or none (CPU kernels are synchronous).
@@ -34,9 +36,7 @@ on NPU (torch_npu), CUDA, or none (CPU kernels are synchronous).
 
 from __future__ import annotations
 
-import contextlib
 import importlib
-import os
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
@@ -134,9 +134,14 @@ class DestinationProvider(ABC):
     def num_blocks(self) -> int:
         """Blocks each destination component holds (destination ids lie below it)."""
 
+    #: Whether the Decode TP ranks share one main pool (each rank then writes a disjoint
+    #: share of the main blocks) or each rank has its own (it reads all of them).
+    main_shared: bool = True
+
     @abstractmethod
-    def main(self, layer: str) -> tuple[ComponentDest, ComponentDest]:
-        """K and V of ``layer`` in the TP-shared pool, addresses valid on this rank."""
+    def main(self, layer: str) -> tuple[ComponentDest, ...]:
+        """The main block arrays of ``layer`` (K and V, or one combined KV), addresses
+        valid on this rank."""
 
     def indexer(self, layer: str) -> tuple[ComponentDest, ComponentDest | None] | None:
         """Rank-local indexer of ``layer`` and its optional LIC8 scale; None without one."""
@@ -144,11 +149,11 @@ class DestinationProvider(ABC):
 
     def layout(self, layer: str) -> DestinationLayout:
         """The :class:`DestinationLayout` of ``layer``."""
-        k, v = self.main(layer)
+        main = self.main(layer)
         indexer = self.indexer(layer)
         if indexer is None:
-            return DestinationLayout(k=k, v=v)
-        return DestinationLayout(k=k, v=v, indexer=indexer[0], scale=indexer[1])
+            return DestinationLayout(main=main)
+        return DestinationLayout(main=main, indexer=indexer[0], scale=indexer[1])
 
     def layouts(self) -> list[tuple[str, DestinationLayout]]:
         """Every main layer with its layout, in order (``ConsumerConfig.layers``)."""
@@ -226,109 +231,52 @@ class SparseOffloadDestinations(DestinationProvider):
     def num_blocks(self) -> int:
         return self._num_blocks
 
-    def main(self, layer: str) -> tuple[ComponentDest, ComponentDest]:
+    def main(self, layer: str) -> tuple[ComponentDest, ...]:
         return self._main[layer]
 
     def indexer(self, layer: str) -> tuple[ComponentDest, ComponentDest | None] | None:
         return self._indexer.get(layer)
 
 
-# -- the generic host pool ------------------------------------------------------------------
+# -- vLLM's own KV cache ---------------------------------------------------------------------
 
 
 @dataclass(frozen=True, slots=True)
-class LayerSpec:
-    """Bytes per vLLM block of one layer's components (None: the component is absent)."""
+class LayerCaches:
+    """One main (cache-bearing) layer's block arrays as vLLM allocated them.
 
-    name: str
-    k_block_bytes: int
-    v_block_bytes: int
-    indexer_block_bytes: int | None = None
-    scale_block_bytes: int | None = None
-
-    def __post_init__(self) -> None:
-        sizes = [self.k_block_bytes, self.v_block_bytes]
-        sizes += [s for s in (self.indexer_block_bytes, self.scale_block_bytes) if s is not None]
-        if any(s < 1 for s in sizes):
-            raise ConfigError(f"layer {self.name!r}: every block size must be >= 1, got {sizes}")
-        if self.scale_block_bytes is not None and self.indexer_block_bytes is None:
-            raise ConfigError(f"layer {self.name!r}: a LIC8 scale needs an indexer")
-
-
-def _pin(tensor: torch.Tensor) -> bool:
-    """Page-lock ``tensor``'s memory for device DMA when CUDA is present."""
-    if not torch.cuda.is_available():
-        return False
-    nbytes = tensor.numel() * tensor.element_size()
-    result = _cudart().cudaHostRegister(tensor.data_ptr(), nbytes, 0)
-    if int(result) != 0:
-        raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed with {result}")
-    return True
-
-
-def _unpin(tensor: torch.Tensor) -> None:
-    _cudart().cudaHostUnregister(tensor.data_ptr())
-
-
-def _cudart() -> Any:
-    cudart: Any = torch.cuda.cudart()  # type: ignore[no-untyped-call]
-    return cudart
-
-
-class HostPoolDestinations(DestinationProvider):
-    """A generic host pool: main K/V shared by the TP ranks, indexer/scale per rank.
-
-    ``shared_path`` names a file (normally under ``/dev/shm``) that EVERY TP rank of the
-    Decode engine opens with the same name and the same ``layers``: its mapping is the
-    shared main pool. Without it the pool is private to this process (one TP rank, or
-    tests). Page-locked when CUDA is available. Call :meth:`close` to unpin and, with
-    ``unlink=True`` (do that on one rank), remove the file.
+    ``main`` is ``(K, V)`` or one combined array (see :mod:`rd2h_vllm.kv_layout`);
+    ``indexer`` and ``scale`` are the optional sparse-attention indexer and LIC8 scale.
+    ``device`` is the caches' device type ("cpu", "cuda", "npu").
     """
 
-    def __init__(
-        self,
-        layers: Sequence[LayerSpec],
-        num_blocks: int,
-        *,
-        shared_path: str | os.PathLike[str] | None = None,
-    ) -> None:
-        if num_blocks < 1:
-            raise ConfigError(f"the host pool needs at least one block, got {num_blocks}")
+    name: str
+    main: tuple[ComponentDest, ...]
+    indexer: ComponentDest | None = None
+    scale: ComponentDest | None = None
+    device: str = "cpu"
+
+    def arrays(self) -> tuple[ComponentDest, ...]:
+        """Every block array of the layer: main ones, then indexer and scale."""
+        return (*self.main, *(a for a in (self.indexer, self.scale) if a is not None))
+
+
+class VllmCacheDestinations(DestinationProvider):
+    """Decode's destinations are vLLM's own KV cache: what its attention reads.
+
+    The blocks vLLM's scheduler allocated to a Decode request are read in place (the
+    transfer backend registers the caches). Each TP rank holds its own full copy of its
+    KV (``main_shared`` False), so every rank reads every main block of its requests.
+    """
+
+    main_shared = False
+
+    def __init__(self, layers: Sequence[LayerCaches], num_blocks: int) -> None:
         if not layers:
-            raise ConfigError("the host pool needs at least one layer")
-        names = [spec.name for spec in layers]
-        if len(set(names)) != len(names):
-            raise ConfigError(f"layer names must be unique, got {names}")
-        self._names = names
+            raise ConfigError("vLLM handed the connector no cache-bearing layer")
+        self._layers = {layer.name: layer for layer in layers}
+        self._names = [layer.name for layer in layers]
         self._num_blocks = num_blocks
-        self._specs = {spec.name: spec for spec in layers}
-        main_bytes = sum((s.k_block_bytes + s.v_block_bytes) * num_blocks for s in layers)
-        self.shared_path = None if shared_path is None else os.fspath(shared_path)
-        if self.shared_path is None:
-            self._pool = torch.zeros(main_bytes, dtype=torch.uint8)
-        else:
-            # Every rank maps the same bytes; the file is created (zero-filled) on first use.
-            self._pool = torch.from_file(
-                self.shared_path, shared=True, size=main_bytes, dtype=torch.uint8
-            )
-        self._pinned = _pin(self._pool)
-        self._tensors: dict[str, dict[str, torch.Tensor]] = {}
-        offset = 0
-        for spec in layers:
-            parts: dict[str, torch.Tensor] = {}
-            for component, block_bytes in (("k", spec.k_block_bytes), ("v", spec.v_block_bytes)):
-                size = block_bytes * num_blocks
-                parts[component] = self._pool[offset : offset + size].view(num_blocks, block_bytes)
-                offset += size
-            for component, maybe in (
-                ("indexer", spec.indexer_block_bytes),
-                ("scale", spec.scale_block_bytes),
-            ):
-                if maybe is not None:
-                    parts[component] = torch.zeros(
-                        (num_blocks, maybe), dtype=torch.uint8, pin_memory=self._pinned
-                    )
-            self._tensors[spec.name] = parts
 
     @property
     def layer_names(self) -> Sequence[str]:
@@ -338,40 +286,14 @@ class HostPoolDestinations(DestinationProvider):
     def num_blocks(self) -> int:
         return self._num_blocks
 
-    @property
-    def pinned(self) -> bool:
-        """Whether the main pool is page-locked (CUDA present)."""
-        return self._pinned
-
-    def tensor(self, layer: str, component: str) -> torch.Tensor:
-        """The ``[num_blocks, block_bytes]`` uint8 view of one component ("k", "v",
-        "indexer", "scale") of ``layer``: what the attention side reads."""
-        return self._tensors[layer][component]
-
-    def _dest(self, layer: str, component: str) -> ComponentDest:
-        return tensor_destination(
-            self._tensors[layer][component], self._num_blocks, f"{component} of {layer}"
-        )
-
-    def main(self, layer: str) -> tuple[ComponentDest, ComponentDest]:
-        return self._dest(layer, "k"), self._dest(layer, "v")
+    def main(self, layer: str) -> tuple[ComponentDest, ...]:
+        return self._layers[layer].main
 
     def indexer(self, layer: str) -> tuple[ComponentDest, ComponentDest | None] | None:
-        parts = self._tensors[layer]
-        if "indexer" not in parts:
+        caches = self._layers[layer]
+        if caches.indexer is None:
             return None
-        return self._dest(layer, "indexer"), (
-            self._dest(layer, "scale") if "scale" in parts else None
-        )
-
-    def close(self, *, unlink: bool = False) -> None:
-        """Unpin the pool; with ``unlink`` also remove the shared file (one rank does it)."""
-        if self._pinned:
-            _unpin(self._pool)
-            self._pinned = False
-        if unlink and self.shared_path is not None:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.shared_path)
+        return caches.indexer, caches.scale
 
 
 # -- "scatter finished" device events -------------------------------------------------------

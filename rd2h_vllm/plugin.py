@@ -36,6 +36,29 @@ REPLACE_ENV: Final = "RD2H_REPLACE_CONNECTOR"
 
 _registered_by_us = False
 
+#: Our loggers, shown through vLLM's own handlers inside vLLM processes.
+_LOGGERS: Final = ("rd2h_vllm", "rd2h_runtime", "rd2h_protocol")
+
+
+def _log_through_vllm() -> None:
+    """Give rd2h's loggers vLLM's handlers and level, once.
+
+    vLLM configures only its own ``vllm`` logger; without this, rd2h's start-up lines and
+    per-request warnings would be dropped inside ``vllm serve``. Nothing changes when
+    vLLM's logging is off (``VLLM_CONFIGURE_LOGGING=0``) or a logger was set up already.
+    """
+    source = logging.getLogger("vllm")
+    if not source.handlers:
+        return
+    for name in _LOGGERS:
+        ours = logging.getLogger(name)
+        if ours.handlers:
+            continue
+        for handler in source.handlers:
+            ours.addHandler(handler)
+        ours.setLevel(source.level)
+        ours.propagate = False
+
 
 def register() -> None:
     """Register ``SfaRemoteD2HConnector`` -> ``rd2h_vllm.connector`` and
@@ -46,6 +69,8 @@ def register() -> None:
     """
     global _registered_by_us
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    _log_through_vllm()
 
     if MULTI_CONNECTOR_NAME not in KVConnectorFactory._registry:
         KVConnectorFactory.register_connector(

@@ -66,7 +66,7 @@ from rd2h_protocol.errors import (
     ProtocolError,
     TransferError,
 )
-from rd2h_protocol.layout import LayerLayout
+from rd2h_protocol.layout import ComponentDest, LayerLayout
 from rd2h_protocol.producer import DecodeTarget, ProducerConfig, RequestFinished
 from rd2h_protocol.topology import chunk_block_range
 from rd2h_runtime.control import ControlOptions
@@ -77,12 +77,12 @@ from rd2h_vllm.config import Rd2hConfig
 from rd2h_vllm.destinations import (
     DestinationProvider,
     DeviceEvents,
-    LayerSpec,
+    LayerCaches,
     ScatterEvent,
     layer_number,
     match_indexer_caches,
-    tensor_destination,
 )
+from rd2h_vllm.kv_layout import cache_arrays, describe
 from rd2h_vllm.metrics import CounterDelta, Rd2hKVConnectorStats
 from rd2h_vllm.scheduler import CacheGroups, LoadSpec, Rd2hConnectorMetadata, SendSpec
 
@@ -174,45 +174,21 @@ def default_tp_group(config: Rd2hConfig) -> TpGroup:
 # -- KV caches -> layouts ---------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class LayerTensors:
-    """One main (cache-bearing) layer's tensors, each ``[num_blocks, ...]`` contiguous."""
-
-    name: str
-    k: torch.Tensor
-    v: torch.Tensor
-    indexer: torch.Tensor | None = None
-    scale: torch.Tensor | None = None
+def _single_array(value: Any, num_blocks: int, what: str) -> ComponentDest:
+    arrays = cache_arrays(value, num_blocks, what)
+    if len(arrays) != 1:
+        raise ConfigError(f"{what}: expected one block array, found {len(arrays)}")
+    return arrays[0]
 
 
-def _main_pair(name: str, value: Any, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of one vLLM KV-cache entry: a ``(K, V)`` pair (vllm-ascend) or one tensor
-    whose first dimension holds K and V (``[2, num_blocks, ...]``)."""
-    if isinstance(value, list | tuple):
-        if len(value) != 2 or not all(isinstance(t, torch.Tensor) for t in value):
-            raise ConfigError(
-                f"KV cache {name!r}: expected a (K, V) pair of tensors, got {len(value)} items"
-            )
-        return value[0], value[1]
-    if not isinstance(value, torch.Tensor):
-        raise ConfigError(f"KV cache {name!r}: expected a tensor, got {type(value).__name__}")
-    shape = tuple(value.shape)
-    if len(shape) >= 2 and shape[0] == 2 and shape[1] == num_blocks:
-        return value[0], value[1]
-    if len(shape) >= 2 and shape[0] == num_blocks and shape[1] == 2:
-        raise ConfigError(
-            f"KV cache {name!r} interleaves K and V per block (shape {shape}); RD2H needs K "
-            "and V as separate block arrays ([2, num_blocks, ...] or a (K, V) pair): pick "
-            "an attention backend with that layout"
-        )
-    raise ConfigError(
-        f"KV cache {name!r} has shape {shape}: expected [2, {num_blocks}, ...] or a (K, V) "
-        "pair (single-tensor MLA caches are not supported)"
-    )
+def _device_of(value: Any) -> str:
+    tensor = value if isinstance(value, torch.Tensor) else value[0]
+    return str(tensor.device.type)
 
 
-def split_kv_caches(kv_caches: Mapping[str, Any], num_blocks: int) -> list[LayerTensors]:
-    """vLLM's ``kv_caches`` as main layers in model order (``layers.N``, then name).
+def split_kv_caches(kv_caches: Mapping[str, Any], num_blocks: int) -> list[LayerCaches]:
+    """vLLM's ``kv_caches`` as main layers in model order (``layers.N``, then name), each
+    with its block arrays read from the tensors (:mod:`rd2h_vllm.kv_layout`).
 
     Entries whose name contains "indexer" are the sparse-attention indexer (and optional
     LIC8 scale) of the main layer with the same ``layers.N``.
@@ -222,12 +198,32 @@ def split_kv_caches(kv_caches: Mapping[str, Any], num_blocks: int) -> list[Layer
         raise ConfigError("register_kv_caches got no main (non-indexer) KV cache")
     mains.sort(key=lambda n: (layer_number(n) if layer_number(n) is not None else -1, n))
     indexers = match_indexer_caches(kv_caches, mains)
-    out: list[LayerTensors] = []
+    out: list[LayerCaches] = []
     for name in mains:
-        k, v = _main_pair(name, kv_caches[name], num_blocks)
+        main = cache_arrays(kv_caches[name], num_blocks, f"KV cache {name!r}")
         idx, scale = indexers.get(name, (None, None))
-        out.append(LayerTensors(name, k, v, idx, scale))
+        out.append(
+            LayerCaches(
+                name,
+                main,
+                None if idx is None else _single_array(idx, num_blocks, f"indexer of {name!r}"),
+                None if scale is None else _single_array(scale, num_blocks, f"scale of {name!r}"),
+                device=_device_of(kv_caches[name]),
+            )
+        )
     return out
+
+
+def layout_summary(layers: Sequence[LayerCaches]) -> str:
+    """One line for the start-up log: layer count and the first layer's block arrays."""
+    first = layers[0]
+    parts = [f"{len(layers)} layers", f"main {describe(first.main)}"]
+    if first.indexer is not None:
+        parts.append(f"indexer {first.indexer.block_bytes} B/block")
+    if first.scale is not None:
+        parts.append(f"scale {first.scale.block_bytes} B/block")
+    parts.append(f"{first.main[0].num_blocks} blocks on {first.device}")
+    return ", ".join(parts)
 
 
 def compat_string(
@@ -244,49 +240,27 @@ def compat_string(
 
 
 def prefill_layouts(
-    layers: Sequence[LayerTensors], groups: CacheGroups, num_blocks: int
+    layers: Sequence[LayerCaches], groups: CacheGroups, num_blocks: int
 ) -> list[tuple[str, LayerLayout]]:
     """The MF_META layouts of Prefill's KV caches (base addresses, bytes per block)."""
     idx_group = groups.indexer if groups.indexer is not None else groups.main
     out: list[tuple[str, LayerLayout]] = []
     for layer in layers:
-        parts = [("K", layer.k, groups.main), ("V", layer.v, groups.main)]
-        if layer.indexer is not None:
-            parts.append(("indexer", layer.indexer, idx_group))
-            if layer.scale is not None:
-                parts.append(("scale", layer.scale, idx_group))
-        dests = [
-            (tensor_destination(t, num_blocks, f"{what} of {layer.name}"), group)
-            for what, t, group in parts
-        ]
+        arrays = layer.arrays()
+        extra = len(arrays) - len(layer.main)
         out.append(
             (
                 layer.name,
                 LayerLayout(
-                    base_addrs=[d.base for d, _ in dests],
-                    block_len=[d.block_bytes for d, _ in dests],
-                    tensor_group_idx=[g for _, g in dests],
+                    base_addrs=[a.base for a in arrays],
+                    block_len=[a.block_bytes for a in arrays],
+                    tensor_group_idx=[groups.main] * len(layer.main) + [idx_group] * extra,
+                    main_tensor_count=len(layer.main),
                     num_blocks=num_blocks,
                 ),
             )
         )
     return out
-
-
-def host_pool_specs(layers: Sequence[LayerTensors], num_blocks: int) -> list[LayerSpec]:
-    """Bytes per block of each main layer's components, for a Decode host pool."""
-
-    def per_block(t: torch.Tensor | None) -> int | None:
-        if t is None:
-            return None
-        return tensor_destination(t, num_blocks, "KV cache").block_bytes
-
-    specs: list[LayerSpec] = []
-    for layer in layers:
-        k, v = per_block(layer.k), per_block(layer.v)
-        assert k is not None and v is not None
-        specs.append(LayerSpec(layer.name, k, v, per_block(layer.indexer), per_block(layer.scale)))
-    return specs
 
 
 # -- Prefill ---------------------------------------------------------------------------------
@@ -377,7 +351,7 @@ class PrefillSide:
         self,
         config: Rd2hConfig,
         groups: CacheGroups,
-        layers: Sequence[LayerTensors],
+        layers: Sequence[LayerCaches],
         num_blocks: int,
         *,
         tp: TpGroup,
@@ -698,6 +672,7 @@ class DecodeSide:
                 compat=compat,
                 kv_load_timeout_s=config.kv_load_timeout_s,
                 max_read_retries=config.max_read_retries,
+                main_shared=destinations.main_shared,
             ),
             backend,
             host=host,
@@ -761,7 +736,6 @@ class DecodeSide:
     def _local_outcome(self, load: _Load) -> None:
         assert load.failed_locally is not None
         code, message = load.failed_locally
-        logger.error("request %s: cannot receive its KV: %s", load.spec.req_id, message)
         with self._lock:
             self._outcomes.append(Outcome(load.spec.ext_id, False, code, message))
 
@@ -794,6 +768,13 @@ class DecodeSide:
         for o in outcomes:
             if not o.ok:
                 self.stats.record_failure(o.code or ErrorCode.UNKNOWN)
+                logger.warning(
+                    "request %s: KV not received on TP rank %d: %s (%s)",
+                    self._by_ext.get(o.ext_req_id, o.ext_req_id),
+                    self._tp.rank,
+                    o.message,
+                    (o.code or ErrorCode.UNKNOWN).name,
+                )
         gathered = self._tp.all_gather((RankReport(done=done, failed=failed), time.monotonic()))
         result = self.completion.update(
             [report for report, _ in gathered], self._by_ext.get, gathered[0][1]
@@ -823,14 +804,29 @@ class DecodeSide:
                 del self._by_ext[load.spec.ext_id]
             if load.failed:
                 failed_recving.add(req_id)
-                self.last_failed[req_id] = (
-                    list(load.spec.main_block_ids),
-                    list(load.spec.indexer_block_ids or ()),
+                main, indexer = self._loaded_blocks(load.spec)
+                self.last_failed[req_id] = (main, indexer)
+                logger.warning(
+                    "request %s: KV load failed; its %d loaded blocks are reported invalid "
+                    "(vLLM recomputes them with kv_load_failure_policy=recompute, else "
+                    "fails the request); none enters the prefix cache",
+                    req_id,
+                    len(main) + len(indexer),
                 )
                 if self._report_blocks:
-                    self._error_blocks.update(load.spec.main_block_ids)
-                    self._error_blocks.update(load.spec.indexer_block_ids or ())
+                    self._error_blocks.update(main)
+                    self._error_blocks.update(indexer)
         return recving, failed_recving
+
+    def _loaded_blocks(self, spec: LoadSpec) -> tuple[list[int], list[int]]:
+        """The main and indexer blocks a load was to write: those past the request's
+        local prefix hit (whole blocks, valid and possibly shared with other requests)."""
+        sizes, groups = self.groups.block_sizes, self.groups
+        main = list(spec.main_block_ids[spec.local_tokens // sizes[groups.main] :])
+        if spec.indexer_block_ids is None:
+            return main, []
+        idx_size = sizes[groups.indexer if groups.indexer is not None else groups.main]
+        return main, list(spec.indexer_block_ids[spec.local_tokens // idx_size :])
 
     def take_load_errors(self) -> set[int]:
         """Blocks of failed loads reported this step (single KV-cache group only)."""
@@ -855,14 +851,13 @@ class DecodeSide:
 __all__ = [
     "LAYOUT_VERSION",
     "DecodeSide",
-    "LayerTensors",
     "PrefillSide",
     "SingleRank",
     "TpGroup",
     "VllmTpGroup",
     "compat_string",
     "default_tp_group",
-    "host_pool_specs",
+    "layout_summary",
     "prefill_layouts",
     "split_kv_caches",
 ]
