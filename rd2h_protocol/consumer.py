@@ -17,9 +17,12 @@ Nothing here raises for peer input: bad frames and messages are counted in
 Serving one readiness (reference §2, departures 1, 4, 6, 11):
 
 1. The peer must be bound to a session by MF_META (else ``UNKNOWN_SESSION``; a refused
-   session gets its refusal code). ``layer_idx`` is the position in this rank's ordered
-   layers; ``layer_name`` must be a layer of the session's layout, and the layout must
-   match the destination (:func:`~rd2h_protocol.layout.validate_layer`). A failure here
+   session gets its refusal code). The layer is identified by NAME (reference §5):
+   ``layer_name`` must be one of this rank's layers and of the session's layout, and
+   ``layer_idx`` must be the index v1 peers derive from that name
+   (:func:`~rd2h_protocol.topology.wire_layer_index`, else ``LAYOUT_MISMATCH`` naming
+   both); the layout must match the destination
+   (:func:`~rd2h_protocol.layout.validate_layer`). A failure here
    fails the WHOLE layer, ``read_failed``, before any byte moves (never a partial write),
    and every known request the message names fails with it.
 2. Requests this rank does not know yet (the rendezvous outran the worker) park the
@@ -158,7 +161,7 @@ from rd2h_protocol.messages import (
     ReadReq,
 )
 from rd2h_protocol.plan import ComponentAddrs, ReadPlan, RequestRead
-from rd2h_protocol.topology import indexer_share, main_share
+from rd2h_protocol.topology import indexer_share, main_share, wire_layer_indices
 
 __all__ = [
     "CONSUMER_MACHINES",
@@ -187,8 +190,9 @@ _REPLY_TEXT_BUDGET: Final = MAX_FRAME_BYTES // 2
 class ConsumerConfig:
     """Configuration of one Decode TP rank's endpoint.
 
-    ``layers`` is this rank's ordered list of ``(layer name, destination)``: a
-    readiness's ``layer_idx`` is a position in it. ``compat`` is compared with a v2
+    ``layers`` is this rank's ordered list of ``(layer name, destination)``: a readiness
+    is served by its layer NAME, and its ``layer_idx`` is checked against that name.
+    ``compat`` is compared with a v2
     Prefill's MF_META ``compat`` (when both are set); a mismatch refuses the handshake.
     ``kv_load_timeout_s``: a request waiting for KV with no progress for that long fails.
     ``max_parked`` / ``park_timeout_s`` bound the readiness (and aborts) kept for requests
@@ -635,6 +639,13 @@ class ConsumerEndpoint:
         self.config = config
         self.stats = ConsumerStats()
         self._layers: tuple[tuple[str, DestinationLayout], ...] = tuple(config.layers)
+        # name -> (the layer_idx a readiness for it must carry, destination)
+        self._by_name: dict[str, tuple[int, DestinationLayout]] = {
+            name: (index, dst)
+            for (name, dst), index in zip(
+                self._layers, wire_layer_indices([n for n, _ in self._layers]), strict=True
+            )
+        }
         self._caps = frozenset(config.capabilities)
         self._main_limit, self._indexer_limit = self._destination_limits(self._layers)
         self._sessions: OrderedDict[str, _Session] = OrderedDict()
@@ -1060,15 +1071,27 @@ class ConsumerEndpoint:
             self._refuse(rd, now, code, f"handshake refused: {text}")
             return
         rd.caps = session.caps
-        if msg.layer_idx >= len(self._layers):
+        local_name = msg.layer_name
+        known = self._by_name.get(local_name)
+        if known is None:
             self._refuse(
                 rd,
                 now,
                 ErrorCode.UNKNOWN_LAYER,
-                f"layer index {msg.layer_idx} is outside Decode's {len(self._layers)} layers",
+                f"layer {local_name!r} (layer_idx {msg.layer_idx}) is not one of Decode's "
+                f"{len(self._layers)} cache-bearing layers",
             )
             return
-        local_name, dst = self._layers[msg.layer_idx]
+        expected, dst = known
+        if msg.layer_idx != expected:
+            self._refuse(
+                rd,
+                now,
+                ErrorCode.LAYOUT_MISMATCH,
+                f"layer_idx {msg.layer_idx} disagrees with layer name {local_name!r}, "
+                f"which is layer {expected}",
+            )
+            return
         src = session.layers.get(msg.layer_name)
         if src is None:
             self._refuse(

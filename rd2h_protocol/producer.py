@@ -174,7 +174,12 @@ from rd2h_protocol.producer_machines import (
     REQ_PUBLISHING,
     STORAGE_GATE,
 )
-from rd2h_protocol.topology import Contributor, decode_rank_port, map_prefill_rank
+from rd2h_protocol.topology import (
+    Contributor,
+    decode_rank_port,
+    map_prefill_rank,
+    wire_layer_indices,
+)
 
 __all__ = [
     "PRODUCER_MACHINES",
@@ -208,8 +213,10 @@ _STILL_READ: Final = frozenset({*REQ_PUBLISHING, REQ_FINAL_SENT})
 class ProducerConfig:
     """Configuration of one Prefill TP rank.
 
-    ``layers`` lists the cache-bearing layers in order (position = ``layer_idx`` on the
-    wire; the last one carries the done ids). ``lease_ms`` bounds how long a publication
+    ``layers`` lists the cache-bearing layers in order (the last one carries the done
+    ids); a readiness names its layer and carries the ``layer_idx`` v1 peers expect for
+    that name (:func:`~rd2h_protocol.topology.wire_layer_index`: ``N`` of ``layers.N``).
+    ``lease_ms`` bounds how long a publication
     may hold its storage without a reply. ``read_failure_policy`` "isolate" reports a
     failed read through :class:`RequestFinished` only; "raise" also makes the next
     :meth:`ProducerEndpoint.can_overwrite` of the affected storage raise (v1 behaviour).
@@ -452,6 +459,9 @@ class ProducerEndpoint:
         self.config = config
         self.stats = ProducerStats()
         self._layer_names = [name for name, _ in config.layers]
+        # Positions are ours; the wire carries each name's layer number (reference §5).
+        self._wire_index = wire_layer_indices(self._layer_names)
+        self._position_of_wire = {wire: i for i, wire in enumerate(self._wire_index)}
         layouts = [layout for _, layout in config.layers]
         self._layer_slots: list[tuple[int, ...]] = [
             (main,) if idx is None else (main, idx) for main, idx in assign_storage_slots(layouts)
@@ -1089,7 +1099,7 @@ class ProducerEndpoint:
             done = [d for d in done if d in live]
         contributor = conn.contributor
         msg = ReadReadyBatch(
-            layer_idx=pub.layer_idx,
+            layer_idx=self._wire_index[pub.layer_idx],
             layer_name=self._layer_names[pub.layer_idx],
             read_reqs=read_reqs,
             done_ext_ids=done,
@@ -1146,7 +1156,7 @@ class ProducerEndpoint:
     def _on_reply(
         self,
         conn: _Conn,
-        layer_idx: int,
+        wire_layer: int,
         seq: int | None,
         event: str,
         now: float,
@@ -1154,7 +1164,8 @@ class ProducerEndpoint:
         failed: list[FailedRequest] | None = None,
         read_failed: ReadFailed | None = None,
     ) -> None:
-        found = self._find(conn, layer_idx, seq)
+        position = self._position_of_wire.get(wire_layer, -1)  # -1: no layer of ours
+        found = self._find(conn, position, seq)
         if found is None:
             self.stats.unknown_replies += 1
             return

@@ -24,11 +24,47 @@ Everything here is a pure function of its arguments; violations raise
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import re
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Final
 
-from rd2h_protocol.errors import TopologyError
+from rd2h_protocol.errors import ConfigError, TopologyError
+
+_LAYER_RE: Final = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
+
+
+def layer_number(name: str) -> int | None:
+    """The ``N`` of ``...layers.N...`` in a layer name, or None."""
+    match = _LAYER_RE.search(name)
+    return int(match.group(1)) if match else None
+
+
+def wire_layer_index(name: str, position: int) -> int:
+    """The ``layer_idx`` a readiness for layer ``name`` carries (reference §5).
+
+    The existing implementation sends the number parsed from the layer's name
+    (``layers.N``) and identifies the layer by NAME; cache-bearing layers need not be
+    numbered 0..N-1 without gaps. A name without ``layers.N`` falls back to its position
+    in the ordered cache-bearing layers.
+    """
+    number = layer_number(name)
+    return position if number is None else number
+
+
+def wire_layer_indices(names: Sequence[str]) -> list[int]:
+    """:func:`wire_layer_index` of every layer of an ordered list; they must be unique."""
+    indices = [wire_layer_index(name, i) for i, name in enumerate(names)]
+    if len(set(indices)) != len(indices):
+        seen: dict[int, str] = {}
+        for name, index in zip(names, indices, strict=True):
+            if index in seen:
+                raise ConfigError(
+                    f"layers {seen[index]!r} and {name!r} would both be layer {index} on the wire"
+                )
+            seen[index] = name
+    return indices
+
 
 #: Length of vLLM's internal request-id suffix (``-`` plus 8 hex digits).
 REQUEST_ID_SUFFIX_LEN: Final = 9

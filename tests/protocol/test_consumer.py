@@ -682,15 +682,89 @@ def test_layout_mismatch_v1_reply_shape() -> None:
     assert isinstance(reply, ReadFailed) and "scale" in reply.error and wire_len(reply) == 3
 
 
-def test_unknown_layer_index_and_name_fail_the_layer() -> None:
+def test_unknown_layer_name_fails_the_layer() -> None:
     ep = ready()
     reply = replies(send(ep, rrb(NUM_LAYERS, [], seq=1)))[0]
-    assert reply.code == ErrorCode.UNKNOWN_LAYER and "outside" in reply.error
+    assert reply.code == ErrorCode.UNKNOWN_LAYER and "model.layers.99" in reply.error
     msg = rrb(0, [], seq=2)
     msg.layer_name = "model.layers.77.self_attn"
     reply = replies(send(ep, msg))[0]
     assert reply.code == ErrorCode.UNKNOWN_LAYER and "77" in reply.error
     assert ep.stats.layer_failures == 2
+
+
+def test_layer_index_that_disagrees_with_the_name_is_refused_naming_both() -> None:
+    ep = ready()
+    msg = rrb(1, [], seq=1)
+    msg.layer_idx = 2  # names model.layers.1 but says layer 2
+    reply = replies(send(ep, msg))[0]
+    assert isinstance(reply, ReadFailed) and reply.code == ErrorCode.LAYOUT_MISMATCH
+    assert "layer_idx 2" in reply.error and "'model.layers.1.self_attn'" in reply.error
+    assert "layer 1" in reply.error
+
+
+# Cache-bearing layers numbered with gaps (layers without KV, MTP layers, cache groups).
+GAPPED = [f"model.layers.{n}.self_attn" for n in (1, 2, 4, 7)]
+
+
+@pytest.mark.parametrize("v2", [True, False], ids=["v2", "v1-prefill"])
+def test_layers_numbered_with_gaps_land_in_the_destination_named(v2: bool) -> None:
+    # Each Decode layer has its own destination base, so a read shows where bytes land.
+    dests = [
+        (
+            name,
+            DestinationLayout(
+                main=(
+                    ComponentDest(D_BASES[0] + i * 0x100_0000, K_BYTES, NUM_BLOCKS),
+                    ComponentDest(D_BASES[1] + i * 0x100_0000, V_BYTES, NUM_BLOCKS),
+                )
+            ),
+        )
+        for i, name in enumerate(GAPPED)
+    ]
+    ep = endpoint(layers=dests)
+    send(ep, meta(v2=v2, layouts={n: src_layout(tensors=2) for n in GAPPED}))
+    ep.add_request("r1", [5], [5], 0.0)
+    for seq, (number, (name, dst)) in enumerate(zip((1, 2, 4, 7), dests, strict=True), 1):
+        # A v1 Prefill sends the number parsed from the name, not a position.
+        msg = ReadReadyBatch(
+            layer_idx=number,
+            layer_name=name,
+            read_reqs=[rr("r1", [9])],
+            done_ext_ids=["r1"] if number == 7 else [],
+            group_member_idx=0,
+            tp_ratio=1,
+            seq=seq if v2 else None,
+        )
+        outs = send(ep, msg)
+        plan = only(outs, StartRead).plan
+        assert plan.layer_name == name
+        assert [c.dst_base for c in plan.main] == [c.base for c in dst.main]
+        (reply,) = replies(finish(ep, outs))
+        assert isinstance(reply, ReadDone) and reply.layer_idx == number
+    assert ep.requests() == {"r1": "done_on_rank"}
+
+
+def test_a_layer_present_on_one_side_only_fails_that_layer_alone() -> None:
+    # Prefill has layers 1, 2, 3; Decode has 1, 2, 5: layer 3 is refused, not misplaced.
+    decode_names = [f"model.layers.{n}.self_attn" for n in (1, 2, 5)]
+    ep = endpoint(layers=[(name, dst_layout(indexer=False)) for name in decode_names])
+    prefill_names = [f"model.layers.{n}.self_attn" for n in (1, 2, 3)]
+    send(ep, meta(layouts={n: src_layout(tensors=2) for n in prefill_names}))
+    msg = ReadReadyBatch(
+        layer_idx=3,
+        layer_name=prefill_names[2],
+        read_reqs=[],
+        done_ext_ids=[],
+        group_member_idx=0,
+        tp_ratio=1,
+        seq=1,
+    )
+    reply = replies(send(ep, msg))[0]
+    assert reply.code == ErrorCode.UNKNOWN_LAYER and "model.layers.3" in reply.error
+    msg.layer_idx, msg.layer_name, msg.seq = 2, prefill_names[1], 2
+    (reply,) = replies(send(ep, msg))
+    assert isinstance(reply, ReadDone) and reply.layer_idx == 2
 
 
 # -- parking (early readiness) -------------------------------------------------------------

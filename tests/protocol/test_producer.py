@@ -511,6 +511,28 @@ def test_v1_replies_match_the_oldest_publication_of_their_layer() -> None:
     assert ep.stats.unknown_replies == 1
 
 
+@pytest.mark.parametrize("ack", [ACK_V1_FRAME, b""], ids=["v1-decode", "v2-decode"])
+def test_gapped_layer_numbers_go_on_the_wire_and_replies_match_them(ack: bytes) -> None:
+    # Cache-bearing layers 1, 2, 4 (no KV in 0 and 3): the wire carries each name's
+    # number, as a v1 Decode expects, and replies naming it open that layer's storage.
+    names = [f"model.layers.{n}.self_attn" for n in (1, 2, 4)]
+    ep = endpoint(layers=[(name, layout(i)) for i, name in enumerate(names)])
+    msgs = one_request_ready(ep, ack)
+    assert [(m.layer_idx, m.layer_name) for m in msgs] == list(zip((1, 2, 4), names, strict=True))
+    assert opened(ep.receive(CONN, done(msgs[2]), 2.0)) == list(ep.layer_slots(2))
+    # A reply for a number that is no layer of ours (0, 3) matches nothing.
+    assert ep.receive(CONN, encode(ReadDone(layer_idx=3)), 2.0) == []
+    assert ep.stats.unknown_replies == 1
+    out = ep.receive(CONN, done(msgs[0]), 2.0) + ep.receive(CONN, done(msgs[1]), 2.0)
+    assert finished(out)["r1"].ok
+
+
+def test_two_layers_with_one_wire_number_are_refused() -> None:
+    twins = [("a.layers.3.attn", layout(0)), ("b.layers.3.attn", layout(1))]
+    with pytest.raises(ConfigError, match="both be layer 3"):
+        endpoint(layers=twins)
+
+
 def test_history_is_bounded() -> None:
     ep = endpoint(2, history=1)
     m0, m1 = one_request_ready(ep)
