@@ -143,6 +143,7 @@ from rd2h_protocol.messages import (
     ALL_CAPABILITIES,
     CAP_ABORT,
     CAP_ISOLATE,
+    CAP_SEQ,
     MAX_BLOCKS_PER_REQUEST,
     MAX_FRAME_BYTES,
     MAX_REQUESTS_PER_BATCH,
@@ -338,6 +339,7 @@ class ConsumerStats:
     aborts_received: int = 0
     load_timeouts: int = 0
     duplicate_done: int = 0
+    lost_readiness: int = 0  # seq gaps: readiness that never arrived
     requests_done: int = 0
     requests_failed: int = 0
     protocol_errors: int = 0
@@ -347,7 +349,17 @@ class ConsumerStats:
 
 
 class _Session:
-    __slots__ = ("caps", "id_bound", "layers", "name", "peer", "refusal", "state", "validated")
+    __slots__ = (
+        "caps",
+        "id_bound",
+        "layers",
+        "name",
+        "next_seq",
+        "peer",
+        "refusal",
+        "state",
+        "validated",
+    )
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -359,6 +371,8 @@ class _Session:
         # num_blocks, which cannot be checked); see _decode_bounded.
         self.id_bound: int | None = None
         self.refusal: tuple[ErrorCode, str] = (ErrorCode.UNKNOWN, "")
+        # The seq the next v2 readiness must carry (None: not known yet).
+        self.next_seq: int | None = None
         # (layer_idx, layer_name) -> validated components, or the mismatch.
         self.validated: dict[
             tuple[int, str],
@@ -960,6 +974,7 @@ class ConsumerEndpoint:
         session.id_bound = _id_bound(layers)
         self._entry_cache.pop(session.name, None)
         session.caps = frozenset(msg.capabilities or ()) & self._caps if v2 else frozenset()
+        session.next_seq = msg.first_seq if v2 else None
         if effect == EFFECT_ACK_V1:
             self.stats.handshakes += 1
             self._out.append(Reply(peer, Ack(kind=TAG_ACK_V1)))
@@ -1057,7 +1072,42 @@ class ConsumerEndpoint:
             code, text = session.refusal
             self._refuse(rd, now, code, f"handshake refused: {text}")
         else:
+            assert session is not None
+            if msg.seq is not None and CAP_SEQ in session.caps and self._lost_before(session, msg):
+                self._refuse_after_loss(rd, session, now)
+                return
             self._serve(rd, now, allow_park=True)
+
+    @staticmethod
+    def _lost_before(session: _Session, msg: ReadReadyBatch) -> bool:
+        """Whether readiness was lost before ``msg`` on this session (a seq gap); else
+        advance the expected seq. A v2 Prefill numbers readiness consecutively per
+        connection and says in MF_META where it resumes, and a connection delivers in
+        order, so a seq above the expected one means the ones between never arrived."""
+        assert msg.seq is not None
+        expected = session.next_seq
+        if expected is not None and msg.seq > expected:
+            return True
+        if expected is None or msg.seq >= expected:
+            session.next_seq = msg.seq + 1
+        return False
+
+    def _refuse_after_loss(self, rd: _Readiness, session: _Session, now: float) -> None:
+        """Readiness was lost on a live connection (ZMQ drops queued frames at a high-water
+        mark or a reconnect): any request it carried would miss that layer. Fail every
+        request this session has contributed to and every request the message names;
+        the lost message's own storage reopens on Prefill when its lease expires."""
+        msg = rd.msg
+        assert msg.seq is not None and session.next_seq is not None
+        text = (
+            f"readiness seq {session.next_seq}..{msg.seq - 1} from Prefill session "
+            f"{session.name!r} never arrived: a layer of its requests is missing"
+        )
+        session.next_seq = msg.seq + 1
+        self.stats.lost_readiness += 1
+        carried = [ext for ext, req in self._requests.items() if session.name in req.sessions]
+        self._fail_known(carried, now, ErrorCode.READINESS_LOST, text)
+        self._refuse(rd, now, ErrorCode.READINESS_LOST, text)
 
     def _serve(self, rd: _Readiness, now: float, *, allow_park: bool) -> None:
         """Serve one readiness (received, or leaving the park)."""

@@ -34,6 +34,7 @@ class ErrorCode(enum.IntEnum):
     TIMEOUT = 14  # no progress within the configured deadline
     STEP_INCOMPLETE = 15  # a Prefill step ended before every cache-bearing layer was written
     CONNECTION_LOST = 16  # the runtime's heartbeat declared the peer endpoint dead
+    READINESS_LOST = 17  # a gap in a v2 session's readiness seqs: a layer never arrived
 
 
 class ProtocolError(Exception):

@@ -111,7 +111,9 @@ class MfMeta(msgspec.Struct, array_like=True, kw_only=True):
     ``encoded_layer_metadata`` is a second msgpack blob (see :mod:`rd2h_protocol.layout`).
     v2 appends the protocol version, capabilities and a compat string (model, dtype,
     block sizes, layout version); compat travels here rather than as a map key because a
-    v1 Decode iterates every key of the inner map as a layer name.
+    v1 Decode iterates every key of the inner map as a layer name. ``first_seq`` (v2) is
+    the seq the next readiness on this connection will carry: readiness seqs are
+    consecutive per connection, so Decode can tell a lost readiness from a late one.
     """
 
     kind: bytes = TAG_MF_META
@@ -120,6 +122,7 @@ class MfMeta(msgspec.Struct, array_like=True, kw_only=True):
     protocol_version: Count | None = None  # v2
     capabilities: Capabilities | None = None  # v2
     compat: Text | None = None  # v2
+    first_seq: Seq | None = None  # v2
 
 
 class Ack(msgspec.Struct, array_like=True, kw_only=True):

@@ -63,6 +63,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Final, Literal, TypeAlias
 
+import msgspec
+
 from rd2h_protocol._machine import NO_EFFECT
 from rd2h_protocol.codec import decode
 from rd2h_protocol.errors import (
@@ -907,7 +909,11 @@ class ProducerEndpoint:
         if not conn.connected or conn.reconnect:
             conn.connected, conn.reconnect = True, False
             out.append(Connect(conn.name, conn.host, conn.port))
-        out.append(Send(conn.name, self._meta))
+        meta = self._meta
+        if meta.protocol_version is not None:
+            # Readiness seqs are consecutive per connection; say where they resume.
+            meta = msgspec.structs.replace(meta, first_seq=conn.next_seq)
+        out.append(Send(conn.name, meta))
         self.stats.handshakes += 1
         token = self._uid()
         conn.handshake_token = token

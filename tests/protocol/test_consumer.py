@@ -703,6 +703,55 @@ def test_layer_index_that_disagrees_with_the_name_is_refused_naming_both() -> No
     assert "layer 1" in reply.error
 
 
+def test_lost_readiness_fails_the_sessions_requests_and_refuses_the_next_one() -> None:
+    # A v2 Prefill says in MF_META that its readiness resumes at seq 10 and numbers it
+    # consecutively; seq 11 lost on a live connection must not let r1 complete.
+    ep = endpoint()
+    handshake = meta()
+    handshake.first_seq = 10
+    send(ep, handshake)
+    ep.add_request("r1", [5, 6], [5, 6], 0.0)
+    ep.add_request("r2", [7], [7], 0.0)  # never named by this session: unaffected
+    outs = send(ep, rrb(0, [rr("r1", [1, 2])], seq=10))
+    assert isinstance(replies(finish(ep, outs))[0], ReadDone)
+    # seq 11 (layer 1) never arrives; seq 12 (the last layer) carries r1's done signal.
+    outs = send(ep, rrb(LAST, [rr("r1", [1, 2])], done=["r1"], seq=12))
+    assert of(outs, StartRead) == []
+    (reply,) = replies(outs)
+    assert isinstance(reply, ReadFailed) and reply.code == ErrorCode.READINESS_LOST
+    assert "seq 11..11" in reply.error and reply.seq == 12
+    failed = {o.ext_req_id: o.code for o in outs if isinstance(o, RequestFailed)}
+    assert failed == {"r1": ErrorCode.READINESS_LOST}
+    assert ep.requests()["r2"] == "advertised"
+    assert ep.stats.lost_readiness == 1
+    # The session goes on from seq 13: no second gap is reported.
+    ep.add_request("r3", [8], [8], 0.0)
+    outs = send(ep, rrb(0, [rr("r3", [3])], seq=13))
+    assert of(outs, StartRead)
+    assert ep.stats.lost_readiness == 1
+
+
+def test_first_readiness_after_the_handshake_lost_is_detected() -> None:
+    ep = endpoint()
+    handshake = meta()
+    handshake.first_seq = 0
+    send(ep, handshake)
+    ep.add_request("r1", [5], [5], 0.0)
+    outs = send(ep, rrb(1, [rr("r1", [1])], seq=1))  # seq 0 (layer 0) was lost
+    assert replies(outs)[0].code == ErrorCode.READINESS_LOST
+    assert ep.requests()["r1"] not in ("advertised", "receiving")
+
+
+def test_v1_prefill_and_v2_without_first_seq_keep_working() -> None:
+    ep = ready(v2=False)  # no seq at all: nothing to check
+    ep.add_request("r1", [5], [5], 0.0)
+    assert of(send(ep, rrb(0, [rr("r1", [1])])), StartRead)
+    ep2 = ready()  # an older v2 Prefill without first_seq: the first seq sets the base
+    ep2.add_request("r1", [5], [5], 0.0)
+    assert of(send(ep2, rrb(0, [rr("r1", [1])], seq=40)), StartRead)
+    assert ep2.stats.lost_readiness == 0
+
+
 # Cache-bearing layers numbered with gaps (layers without KV, MTP layers, cache groups).
 GAPPED = [f"model.layers.{n}.self_attn" for n in (1, 2, 4, 7)]
 

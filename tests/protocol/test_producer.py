@@ -217,6 +217,22 @@ def test_v2_handshake_queues_readiness_then_flushes_it_with_seq_and_lease() -> N
     assert ep.get_timer() == pytest.approx(31.0)  # the first lease
 
 
+def test_v2_mf_meta_says_where_readiness_seqs_resume() -> None:
+    ep = endpoint(2)
+    ep.add_request("r1", target(), 0.0)
+    ep.schedule_chunk("r1", [1, 2], [3], 0, 0, True)
+    out = write_layers(ep, range(2), 1.0)
+    (handshake,) = sends(out, MfMeta)
+    out += ep.receive(CONN, ack_v2(), 1.0)
+    msgs = readiness(out)
+    assert [m.seq for m in msgs] == [handshake.first_seq, handshake.first_seq + 1]
+    forced_v1 = endpoint(2, protocol="v1")
+    forced_v1.add_request("r1", target(), 0.0)
+    forced_v1.schedule_chunk("r1", [1, 2], [3], 0, 0, True)
+    (v1_meta,) = sends(write_layers(forced_v1, range(2), 1.0), MfMeta)
+    assert v1_meta.first_seq is None and len(msgpack.unpackb(encode(v1_meta))) == 3
+
+
 def test_compat_string_travels_in_mf_meta() -> None:
     ep = endpoint(1, compat="glm5|bf16|bs128|layout1")
     ep.add_request("r1", target(), 0.0)
