@@ -1812,6 +1812,9 @@ _EXPLORED: Final = WorldConfig(
     tick=0.5,
     auto_release=True,
     warmup=True,
+    # A readiness lost on a live connection (ZMQ drops queued frames at a high-water mark
+    # or a reconnect) in every configuration: Decode must never complete over the hole.
+    budgets=(("lose", 1),),
 )
 
 #: The configurations ``python -m rd2h_protocol.explore`` checks, by name.
@@ -1827,7 +1830,7 @@ CONFIGS: Final[dict[str, WorldConfig]] = {
         p_tp=1,
         n_storages=2,
         requests=_two_requests((0, 0)),
-        budgets=(("drop", 1), ("abort", 1)),
+        budgets=(("lose", 1), ("drop", 1), ("abort", 1)),
     ),
     # The rendezvous outruns the Decode worker: readiness naming r1 waits in the park
     # while readiness naming r0 alone may be served first (pipelined layers, a Prefill
@@ -1839,7 +1842,10 @@ CONFIGS: Final[dict[str, WorldConfig]] = {
         kv_load_timeout_s=1.0,
         requests=_two_requests((0, 0)),
         late_decode=("r1",),
-        budgets=(("prefill_abort", 1),),
+        budgets=(
+            ("lose", 1),
+            ("prefill_abort", 1),
+        ),
     ),
     # Two Decode engines reading the same Prefill storage (one request each): the gate
     # must wait for both publications of a layer.
@@ -1850,7 +1856,10 @@ CONFIGS: Final[dict[str, WorldConfig]] = {
         p_tp=1,
         warmup=False,
         requests=_two_requests((0,)),
-        budgets=(("drop", 1),),
+        budgets=(
+            ("lose", 1),
+            ("drop", 1),
+        ),
     ),
 }
 
