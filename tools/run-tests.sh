@@ -1,28 +1,57 @@
 #!/usr/bin/env bash
-# Install what the test suite needs (idempotent), then run it. .ci/run calls exactly this.
-# Extra arguments go to pytest, e.g. `bash tools/run-tests.sh tests/protocol -x`.
+# Install what the test suite needs (idempotent), then run it: lint, types, specs, pytest.
+# .ci/run calls exactly this. Works in a virtual environment or on the system Python (as
+# root in CI). Extra arguments go to pytest, e.g. `bash tools/run-tests.sh tests/protocol -x`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+PYTHON="${PYTHON:-$(command -v python || command -v python3 || echo python3)}"
+export PYTHON  # the install scripts use the same interpreter
+
 # Mooncake's transfer engine links against the RDMA user-space libraries even for TCP.
-if ! ldconfig -p 2>/dev/null | grep -q 'libibverbs.so.1' || ! ldconfig -p | grep -q 'librdmacm.so.1'; then
-    if [ "$(id -u)" = 0 ]; then
-        (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 librdmacm1) >/dev/null
+libs=$( (ldconfig -p || /sbin/ldconfig -p) 2>/dev/null || true)
+if ! grep -q 'libibverbs\.so\.1' <<<"$libs" || ! grep -q 'librdmacm\.so\.1' <<<"$libs"; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        echo "run-tests: installing libibverbs1 librdmacm1 (mooncake needs them)"
+        if ! apt_out=$( (apt-get update -qq &&
+            DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 librdmacm1) 2>&1); then
+            echo "$apt_out" >&2
+            echo "run-tests: FAILED: apt-get install libibverbs1 librdmacm1" >&2
+            exit 1
+        fi
     else
         echo "warning: libibverbs1/librdmacm1 missing; mooncake tests need them (apt-get install libibverbs1 librdmacm1)" >&2
     fi
 fi
 
-# vLLM 0.32 on a CPU torch first (idempotent: a quick import check when installed), so
-# that nixl's unpinned torch requirement below is already met by the CPU build.
+# vLLM's CPU build first (it pins torch's CPU build, which then meets nixl's torch
+# requirement), then rd2h with the test extra. Both are quick when already installed.
 bash tools/install-vllm.sh
-python -m pip install -q --disable-pip-version-check -e '.[test]'
+bash tools/install.sh test
 
 # UCX probes InfiniBand at import and segfaults at exit on hosts without it.
 export UCX_MODULES="${UCX_MODULES:-^ib}"
 
-python -m ruff check .
-python -m ruff format --check .
-python -m mypy rd2h_protocol rd2h_runtime rd2h_vllm
-python -m rd2h_protocol.spec --check
-exec python -m pytest "$@"
+"$PYTHON" -m ruff check .
+"$PYTHON" -m ruff format --check .
+"$PYTHON" -m mypy rd2h_protocol rd2h_runtime rd2h_vllm
+"$PYTHON" -m rd2h_protocol.spec --check
+
+# The complete model checking of every configuration, each with its fault budgets
+# (tests/protocol explores a bounded number of states per configuration): about 3 min of
+# CPU, two configurations at a time. Only for the whole suite, not for a selection.
+if [ $# -eq 0 ]; then
+    "$PYTHON" -m rd2h_protocol.explore
+fi
+
+# pytest exits 5 when it collected no test: never pass that on. The whole suite collecting
+# nothing is broken (1); a selection given as arguments that matched nothing is said and
+# not an error (0).
+rc=0
+"$PYTHON" -m pytest "$@" || rc=$?
+if [ "$rc" = 5 ]; then
+    echo "run-tests: pytest collected no tests${*:+ for: $*}" >&2
+    [ $# -gt 0 ] && exit 0
+    exit 1
+fi
+exit "$rc"
