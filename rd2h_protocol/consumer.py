@@ -468,6 +468,24 @@ class _ParkedAbort:
 _Parked: TypeAlias = _Readiness | _ParkedAbort
 
 
+def _explain(mismatch: LayoutMismatch, tp_ratio: int) -> str:
+    """A layout mismatch's message, with the likely cause when block sizes differ by
+    exactly the TP ratio: the KV heads are split over the Prefill ranks."""
+    prefill, decode = mismatch.prefill, mismatch.decode
+    if (
+        tp_ratio > 1
+        and isinstance(prefill, int)
+        and isinstance(decode, int)
+        and prefill * tp_ratio == decode
+    ):
+        return (
+            f"{mismatch.message} (each of the {tp_ratio} Prefill TP ranks per Decode rank "
+            "holds a share of the KV heads; RD2H needs the whole KV on every Prefill rank, "
+            "as with MLA, or equal Prefill and Decode TP)"
+        )
+    return mismatch.message
+
+
 def _clip(text: str) -> str:
     return text if len(text) <= MAX_TEXT_LEN else text[: MAX_TEXT_LEN - 3] + "..."
 
@@ -1160,7 +1178,7 @@ class ConsumerEndpoint:
                 comps = exc
             session.validated[key] = comps
         if isinstance(comps, LayoutMismatch):
-            self._refuse(rd, now, ErrorCode.LAYOUT_MISMATCH, comps.message)
+            self._refuse(rd, now, ErrorCode.LAYOUT_MISMATCH, _explain(comps, msg.tp_ratio))
             return
         if allow_park:
             missing = {

@@ -7,6 +7,7 @@ must carry only v1 fields).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -752,6 +753,19 @@ def test_v1_prefill_and_v2_without_first_seq_keep_working() -> None:
     assert ep2.stats.lost_readiness == 0
 
 
+def test_kv_heads_split_over_prefill_ranks_are_refused_with_the_cause() -> None:
+    # Prefill TP 2 -> Decode TP 1 with head-sharded KV: each Prefill block is half of
+    # Decode's, so no byte moves and the reply says why.
+    ep = endpoint(layers=[(name, dst_layout(indexer=False)) for name in LAYER_NAMES])
+    send(ep, meta(layouts={n: src_layout(tensors=2, k_bytes=K_BYTES // 2) for n in LAYER_NAMES}))
+    ep.add_request("r1", [5], [5], 0.0)
+    outs = send(ep, rrb(0, [rr("r1", [1])], ratio=2, seq=1))
+    (reply,) = replies(outs)
+    assert reply.code == ErrorCode.LAYOUT_MISMATCH and of(outs, StartRead) == []
+    assert "holds a share of the KV heads" in reply.error
+    assert f"Prefill has {K_BYTES // 2}, Decode has {K_BYTES}" in reply.error
+
+
 # Cache-bearing layers numbered with gaps (layers without KV, MTP layers, cache groups).
 GAPPED = [f"model.layers.{n}.self_attn" for n in (1, 2, 4, 7)]
 
@@ -1297,10 +1311,11 @@ def test_no_residual_state_after_churn(endings: list[str], park_first: bool) -> 
     ep = ready(kv_load_timeout_s=50.0)
     now = 0.0
     terminal: dict[str, int] = {}
+    seqs = itertools.count(1)  # a v2 Prefill numbers readiness consecutively
     for i, ending in enumerate(endings):
         ext = f"r{i}"
         now += 1.0
-        first = rrb(0, [rr(ext, [1])], seq=2 * i + 1, done=[ext] if ending == "done" else [])
+        first = rrb(0, [rr(ext, [1])], seq=next(seqs), done=[ext] if ending == "done" else [])
         if park_first:
             send(ep, first, now=now)
             outs = ep.add_request(ext, [i % NUM_BLOCKS], [i % NUM_BLOCKS], now)
@@ -1316,7 +1331,7 @@ def test_no_residual_state_after_churn(endings: list[str], park_first: bool) -> 
         elif ending == "release_early":
             outs += ep.release(ext, now)
         elif ending == "isolate":
-            outs += send(ep, rrb(1, [rr(ext, [1, 2, 3])], seq=2 * i + 2), now=now)
+            outs += send(ep, rrb(1, [rr(ext, [1, 2, 3])], seq=next(seqs)), now=now)
         if read_id is not None:
             err = TransferError("x") if ending == "read_fail" else None
             outs += ep.read_finished(read_id, err, now)
@@ -1623,9 +1638,9 @@ def test_repeated_entries_are_decoded_once_and_read_alike() -> None:
         ]
     # other entries, or a new handshake: decoded again
     entries[1] = rr("r2", [6], [6])
-    plan, _ = layer(ep, 0, 10)
+    plan, _ = layer(ep, 0, NUM_LAYERS + 1)
     assert list(plan.requests[1].main_src) == [6] and plan.requests[0].main_src is not ids[0][0][0]
-    same, _ = layer(ep, 1, 11)
+    same, _ = layer(ep, 1, NUM_LAYERS + 2)
     assert same.requests[0].main_src is plan.requests[0].main_src
     send(ep, meta())
     again, _ = layer(ep, 2, 1)
