@@ -11,7 +11,7 @@ or the same entry inside a ``MultiConnector``'s ``connectors`` list (the Prefill
 Our v2 options live in the same ``kv_connector_extra_config`` (:data:`EXTRA_DEFAULTS`).
 The sparse-offload switch lives in vLLM's ``--additional-config``
 (``sparse_kv_offload_config.enabled``): Prefill must run without it, Decode with it when
-the host is an Ascend NPU (elsewhere Decode uses the generic host pool).
+the host is an Ascend NPU (elsewhere Decode reads into vLLM's own KV cache).
 
 :func:`from_vllm_config` reads a real ``VllmConfig``; :func:`parse_config` takes the same
 information as plain dicts (tests, tools). Both check EVERYTHING before answering and

@@ -115,6 +115,7 @@ class SfaRemoteD2HConnector(Rd2hMetricsMixin, KVConnectorBase_V1, SupportsHMA):
         self._destinations: DestinationProvider | None = None
         if role == KVConnectorRole.SCHEDULER:
             if self.config.is_consumer:
+                self._warn_failure_policy(vllm_config)
                 self._poster = RendezvousPoster(self.config.metaserver)
             try:
                 self.scheduler = SchedulerSide(
@@ -124,6 +125,19 @@ class SfaRemoteD2HConnector(Rd2hMetricsMixin, KVConnectorBase_V1, SupportsHMA):
                 if self._poster is not None:
                     self._poster.close()
                 raise
+
+    @staticmethod
+    def _warn_failure_policy(vllm_config: VllmConfig) -> None:
+        """Say once what a failed transfer does to a request under vLLM's failure policy."""
+        ktc = vllm_config.kv_transfer_config
+        policy = getattr(ktc, "kv_load_failure_policy", "fail")
+        if policy != "recompute":
+            logger.warning(
+                "RD2H Decode: kv_load_failure_policy is %r, so a request whose KV transfer "
+                'fails ends with an error; add "kv_load_failure_policy": "recompute" to '
+                "--kv-transfer-config to have vLLM recompute it locally instead",
+                policy,
+            )
 
     # -- integration hooks -------------------------------------------------------------------
 

@@ -37,7 +37,6 @@ on NPU (torch_npu), CUDA, or none (CPU kernels are synchronous).
 from __future__ import annotations
 
 import importlib
-import re
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -47,14 +46,7 @@ import torch
 
 from rd2h_protocol.errors import ConfigError
 from rd2h_protocol.layout import ComponentDest, DestinationLayout
-
-_LAYER_RE: Final = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
-
-
-def layer_number(name: str) -> int | None:
-    """The ``N`` of ``...layers.N...`` in a vLLM layer name, or None."""
-    match = _LAYER_RE.search(name)
-    return int(match.group(1)) if match else None
+from rd2h_protocol.topology import layer_number
 
 
 def tensor_destination(tensor: torch.Tensor, num_blocks: int, what: str) -> ComponentDest:

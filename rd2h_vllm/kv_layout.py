@@ -145,9 +145,9 @@ def check_layer_compact(layout: Any, kv_cache_tensors: Sequence[Any]) -> None:
     not one stripe each and reading one layer would copy (and overwrite) the others.
     RD2H moves one layer at a time, as soon as it is computed.
     """
-    problem = None
+    problems: list[str] = []
     if getattr(layout, "is_layer_compact", True) is False:
-        problem = f"the layout {getattr(layout, 'name', layout)} keeps blocks outermost"
+        problems.append(f"the layout {getattr(layout, 'name', layout)} keeps blocks outermost")
     for tensor in kv_cache_tensors:
         layers = list(getattr(tensor, "layers", ()))
         layer_stride = getattr(tensor, "layer_stride", None)
@@ -155,11 +155,13 @@ def check_layer_compact(layout: Any, kv_cache_tensors: Sequence[Any]) -> None:
         if len(layers) < 2 or layer_stride is None or block_stride is None:
             continue
         if layer_stride < block_stride:
-            problem = (
+            problems.append(
                 f"{layers[0]!r} and {len(layers) - 1} more layers share each block "
                 f"(layer stride {layer_stride} B, block stride {block_stride} B)"
             )
-    if problem is not None:
+            break  # one group's tensors say it; the others say the same
+    if problems:
+        problem = "; ".join(problems)
         raise ConfigError(
             f"vLLM's KV cache interleaves layers inside each block ({problem}); RD2H moves "
             "one layer at a time. Use a layer-compact layout: set VLLM_KV_CACHE_LAYOUT="

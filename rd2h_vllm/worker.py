@@ -68,7 +68,7 @@ from rd2h_protocol.errors import (
 )
 from rd2h_protocol.layout import ComponentDest, LayerLayout
 from rd2h_protocol.producer import DecodeTarget, ProducerConfig, RequestFinished
-from rd2h_protocol.topology import chunk_block_range
+from rd2h_protocol.topology import chunk_block_range, layer_number
 from rd2h_runtime.control import ControlOptions
 from rd2h_runtime.decode import DecodeWorker, Outcome, ReadRecord
 from rd2h_runtime.prefill import PrefillWorker
@@ -79,7 +79,6 @@ from rd2h_vllm.destinations import (
     DeviceEvents,
     LayerCaches,
     ScatterEvent,
-    layer_number,
     match_indexer_caches,
 )
 from rd2h_vllm.kv_layout import cache_arrays, describe

@@ -120,7 +120,7 @@ def test_v2_options_and_other_backends() -> None:
     assert cfg.metaserver.max_attempts == 3
     assert cfg.metaserver.deadline_s == 4.0
     assert cfg.metaserver.legacy_errors_delivered is True
-    # Off Ascend, Decode may run without sparse offload (the generic host pool).
+    # Off Ascend, Decode may run without sparse offload (it reads into vLLM's KV cache).
     assert cfg.sparse_offload is False
 
 

@@ -14,13 +14,14 @@ import torch
 from conftest import VllmConfigFactory
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-from vllm_pd_harness import FAST_METASERVER, NUM_BLOCKS, kv_cache_config, kv_caches
+from vllm.v1.kv_cache_layout import KVCacheLayout
+from vllm_pd_harness import FAST_METASERVER, MAIN, allocate, kv_setup
 
 from rd2h_protocol.errors import ConfigError
 from rd2h_vllm.config import CONNECTOR_MODULE, CONNECTOR_NAME
 from rd2h_vllm.connector import SfaRemoteD2HConnector
-from rd2h_vllm.destinations import HostPoolDestinations, LayerSpec
-from rd2h_vllm.worker import SingleRank
+from rd2h_vllm.destinations import VllmCacheDestinations
+from rd2h_vllm.worker import SingleRank, split_kv_caches
 
 
 def transfer(role: str, kv_port: int = 20050, **extra: Any) -> dict[str, Any]:
@@ -39,10 +40,17 @@ def build(
     role: KVConnectorRole = KVConnectorRole.WORKER,
     **config: Any,
 ) -> SfaRemoteD2HConnector:
+    layout = config.pop("layout", KVCacheLayout.LBHNC)
     vllm_config = make_vllm_config(kv_transfer, **config)
-    connector = KVConnectorFactory.create_connector(vllm_config, role, kv_cache_config("none"))
+    kv_cache_config = kv_setup(vllm_config, layout=layout).workers[0]
+    connector = KVConnectorFactory.create_connector(vllm_config, role, kv_cache_config)
     assert isinstance(connector, SfaRemoteD2HConnector)
     return connector
+
+
+def own_caches(connector: SfaRemoteD2HConnector) -> dict[str, torch.Tensor]:
+    """The KV caches vLLM allocates for the connector's KV-cache configuration."""
+    return allocate(connector._kv_cache_config)
 
 
 @pytest.mark.parametrize(
@@ -84,14 +92,36 @@ def test_every_problem_in_one_message(make_vllm_config: VllmConfigFactory) -> No
     assert "transfer_backend" in text and "lease_ms" in text and "tpyo" in text
 
 
-def test_interleaved_kv_layout_is_refused_at_registration(
+@pytest.mark.parametrize("role", ["kv_producer", "kv_consumer"])
+@pytest.mark.parametrize(
+    "layout", [KVCacheLayout.BLHNC, KVCacheLayout.BLNHC, KVCacheLayout.BHLNC], ids=str
+)
+def test_a_block_outermost_layout_is_refused_at_registration(
+    make_vllm_config: VllmConfigFactory, role: str, layout: KVCacheLayout
+) -> None:
+    """vLLM packs every layer's page into each block: RD2H, which moves one layer at a
+    time, refuses to start and says which layout to set."""
+    connector = build(make_vllm_config, transfer(role), layout=layout)
+    connector.bind_tp_group(SingleRank())
+    with pytest.raises(ConfigError, match=f"{layout.name}.*VLLM_KV_CACHE_LAYOUT=LBHNC"):
+        connector.register_kv_caches(own_caches(connector))
+    assert connector.prefill is None and connector.decode is None
+
+
+def test_blocks_that_are_not_stripes_are_refused_at_registration(
     make_vllm_config: VllmConfigFactory,
 ) -> None:
     connector = build(make_vllm_config, transfer("kv_producer"))
     connector.bind_tp_group(SingleRank())
-    caches = {name: torch.zeros((NUM_BLOCKS, 2, 16, 2, 16)) for name in kv_caches("none")}
-    with pytest.raises(ConfigError, match="interleaves K and V"):
+    caches = own_caches(connector)
+    good = caches[MAIN[1]]
+    # Blocks half a page apart: each block would overlap the next one.
+    caches[MAIN[1]] = good.as_strided(good.shape, (good.stride(0) // 2, *good.stride()[1:]))
+    with pytest.raises(ConfigError) as info:
         connector.register_kv_caches(caches)
+    text = str(info.value)
+    assert MAIN[1] in text and str(tuple(good.shape)) in text
+    assert str((good.stride(0) // 2, *good.stride()[1:])) in text
     assert connector.prefill is None
 
 
@@ -101,15 +131,15 @@ def test_decode_with_sparse_offload_needs_a_destination_provider(
     sparse = {"sparse_kv_offload_config": {"enabled": True}}
     connector = build(make_vllm_config, transfer("kv_consumer"), additional_config=sparse)
     connector.bind_tp_group(SingleRank())
+    caches = own_caches(connector)
     with pytest.raises(ConfigError, match="set_destination_provider"):
-        connector.register_kv_caches(kv_caches("none"))
+        connector.register_kv_caches(caches)
     # With vllm-ascend's manager bound (any provider here), registration goes through.
-    provider = HostPoolDestinations(
-        [LayerSpec(name, 2048, 2048) for name in kv_caches("none")], NUM_BLOCKS
-    )
+    num_blocks = connector._kv_cache_config.num_blocks
+    provider = VllmCacheDestinations(split_kv_caches(caches, num_blocks), num_blocks)
     connector.set_destination_provider(provider)
     try:
-        connector.register_kv_caches(kv_caches("none"))
+        connector.register_kv_caches(caches)
         assert connector.destinations is provider
     finally:
         connector.shutdown()
@@ -118,4 +148,4 @@ def test_decode_with_sparse_offload_needs_a_destination_provider(
 def test_tp_without_vllm_group_is_refused(make_vllm_config: VllmConfigFactory) -> None:
     connector = build(make_vllm_config, transfer("kv_producer"), tp=2)
     with pytest.raises(ConfigError, match="TP group is not initialised"):
-        connector.register_kv_caches(kv_caches("none"))
+        connector.register_kv_caches(own_caches(connector))

@@ -4,7 +4,8 @@ Decode gets a request with ``do_remote_prefill`` and the metaserver URL, posts i
 rendezvous; the test plays the proxy (the posted JSON becomes the Prefill request's
 ``kv_transfer_params``); Prefill computes the prompt layer by layer through the worker
 half of the connector over CPU tensors, Decode pulls each layer with NIXL (UCX, in
-process) into its host pool, and the Decode request becomes runnable.
+process) into the blocks its own scheduler allocated in its own vLLM KV cache (allocated
+by vLLM), and the Decode request becomes runnable.
 """
 
 from __future__ import annotations
@@ -18,8 +19,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorLogg
 from vllm.v1.request import RequestStatus
 from vllm_metaserver_harness import MetaServer
 from vllm_pd_harness import (
+    INDEXER_BYTES,
+    MAIN,
+    MAIN_BLOCK_BYTES,
     Engine,
     build_engine,
+    engines,
     free_port_block,
     make_request,
     run_until,
@@ -79,7 +84,7 @@ def test_kv_arrives_byte_exact_and_decode_runs(
     layers = {name for r in reads for name in r}
     assert layers == {"model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"}
     total = sum(v[1] for r in reads for v in r.values())
-    assert total == 2 * 2 * 3 * 2048  # layers x (K, V) x blocks x bytes per block
+    assert total == len(MAIN) * 3 * MAIN_BLOCK_BYTES  # layers x blocks x bytes per block
     events = [s["protocol_events"] for s in prefill.stats if s.get("protocol_events")]
     assert sum(e.get("publications", 0) for e in events) == 2
     # vLLM's front-end log line, rebuilt by the connector class vLLM resolves from config.
@@ -152,3 +157,33 @@ def test_prompt_list_children_share_one_prefill_dispatch(
         ids = decode.block_ids(child.request_id)[0]
         assert decode.mismatches(f"cmpl-list-{i}", ids) == [], i
     run_until([prefill, decode], lambda: not prefill.scheduler.requests)
+
+
+@pytest.mark.parametrize("indexer", ["shared", "group"])
+def test_main_and_indexer_arrive_in_decodes_vllm_cache(
+    make_vllm_config: VllmConfigFactory, server: MetaServer, indexer: str
+) -> None:
+    """Both forms vLLM gives a model with an indexer, over NIXL: one KV-cache group (main
+    and indexer share block ids) and two groups aliasing one allocation."""
+    decode = build_engine(
+        make_vllm_config, "kv_consumer", kv_port=free_port_block(1), indexer=indexer
+    )
+    prefill = build_engine(make_vllm_config, "kv_producer", indexer=indexer)
+    with engines(prefill, decode):
+        prompt = list(range(200, 270))  # 70 tokens
+        d_req = decode.add(
+            make_request("cmpl-idx-0-00000001", prompt, remote_prefill_params(server.url), 2)
+        )
+        decode.step()
+        rendezvous = decode_rendezvous(wait_posts(server, 1)[0])
+        prefill.add(make_request("cmpl-idx-0-00000002", prompt, rendezvous.to_params(), 1))
+        run_until([prefill, decode], lambda: status(d_req) == RequestStatus.RUNNING)
+        ids = decode.block_ids(d_req.request_id)
+        main, idx = ids[0], ids[decode.indexer_group]
+        assert len(idx) == (5 if indexer == "shared" else 3)
+        assert decode.mismatches("cmpl-idx-0", main, idx) == []
+        run_until([prefill, decode], lambda: not prefill.scheduler.requests)
+        reads = [s["layer_reads"] for s in decode.stats if s.get("layer_reads")]
+        total = sum(v[1] for r in reads for v in r.values())
+        idx_block = decode.indexer_block * INDEXER_BYTES
+        assert total == len(MAIN) * (len(main) * MAIN_BLOCK_BYTES + len(idx) * idx_block)

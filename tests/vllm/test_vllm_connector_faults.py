@@ -7,7 +7,10 @@
   AND indexer blocks (one KV-cache group: also through ``get_block_ids_with_load_errors``,
   which vLLM turns into a failed request; two groups: vLLM recomputes it locally).
 * Prefill TP 2 -> Decode TP 1: two Prefill worker halves contribute, main KV from member
-  0 only, the indexer split between both; every byte lands.
+  0 only, the indexer split between both; every byte lands in Decode's own vLLM cache.
+
+Every cache here is allocated by vLLM itself (tests/vllm/vllm_pd_harness.py); what Decode
+holds is checked in its own KV cache, where vLLM's attention reads.
 """
 
 from __future__ import annotations
@@ -22,7 +25,10 @@ from conftest import VllmConfigFactory
 from vllm.v1.request import RequestStatus
 from vllm_metaserver_harness import MetaServer
 from vllm_pd_harness import (
+    INDEXER_BLOCK,
+    INDEXER_BYTES,
     MAIN,
+    MAIN_BLOCK_BYTES,
     Engine,
     build_engine,
     engines,
@@ -83,7 +89,7 @@ def test_abort_on_decode_mid_layer_frees_only_when_quiescent(
         [rendezvous] = rendezvous_after_post(decode, server, 1)
         dest = decode.block_ids(d_req.request_id)[0]
         free_before = decode.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
-        snapshot: dict[str, torch.Tensor] = {}
+        snapshot: dict[tuple[str, int], torch.Tensor] = {}
 
         def abort_between_layers(step: int, rank: int, layer: int) -> None:
             if step != 1 or layer != 0 or snapshot:
@@ -91,10 +97,9 @@ def test_abort_on_decode_mid_layer_frees_only_when_quiescent(
             # Prefill published layer 0 of its second chunk; Decode's user goes away.
             decode.scheduler.finish_requests(d_req.request_id, RequestStatus.FINISHED_ABORTED)
             run_until([decode], lambda: d_req.request_id not in decode.scheduler.requests)
-            pool = decode.destinations()
             for name in MAIN:
-                for comp in ("k", "v"):
-                    snapshot[f"{name}/{comp}"] = pool.tensor(name, comp)[dest].clone()
+                for block in dest:
+                    snapshot[(name, block)] = decode.block(name, block)
 
         prefill.on_layer = abort_between_layers
         p_req = prefill.add(make_request("cmpl-ab-0-00000002", prompt, rendezvous.to_params(), 1))
@@ -102,12 +107,10 @@ def test_abort_on_decode_mid_layer_frees_only_when_quiescent(
         run_until([prefill, decode], lambda: p_req.request_id not in prefill.scheduler.requests)
         assert snapshot, "the abort hook never ran"
         assert p_req.status == RequestStatus.FINISHED_LENGTH_CAPPED  # Prefill's client is served
-        # Decode's blocks went back to the pool, and nothing wrote them since.
+        # Decode's blocks went back to the pool, and nothing wrote them in its KV cache since.
         assert decode.scheduler.kv_cache_manager.block_pool.get_num_free_blocks() >= free_before
-        pool = decode.destinations()
-        for name in MAIN:
-            for comp in ("k", "v"):
-                assert torch.equal(pool.tensor(name, comp)[dest], snapshot[f"{name}/{comp}"])
+        for (name, block), before in snapshot.items():
+            assert torch.equal(decode.block(name, block), before), (name, block)
         d_side, p_side = decode.workers[0].decode, prefill.workers[0].prefill
         assert d_side is not None and d_side.is_idle()
         assert p_side is not None and p_side.is_idle()
@@ -168,6 +171,59 @@ def test_failed_read_reports_main_and_indexer_blocks(
         assert "TRANSFER_FAILED" in failures
 
 
+def test_a_failed_load_leaves_the_local_prefix_hit_valid(
+    make_vllm_config: VllmConfigFactory, server: MetaServer
+) -> None:
+    """Decode's own prefix cache already holds the first 3 blocks of a prompt (a running
+    request brought them); a second request with that prefix loads only the rest, and its
+    load fails: only the blocks it was to write are reported invalid, so vLLM fails that
+    request alone and the running request sharing the prefix blocks goes on."""
+    decode = build_engine(
+        make_vllm_config,
+        "kv_consumer",
+        kv_port=free_port_block(1),
+        indexer="shared",
+        worker_cls=LoopbackConnector,
+    )
+    prefill = build_engine(
+        make_vllm_config, "kv_producer", indexer="shared", worker_cls=LoopbackConnector
+    )
+    with engines(prefill, decode):
+        prefix = list(range(48))  # 3 full blocks
+        first = decode.add(
+            make_request("cmpl-hit-0-00000001", prefix, remote_prefill_params(server.url), 500)
+        )
+        [rendezvous] = rendezvous_after_post(decode, server, 1)
+        prefill.add(make_request("cmpl-hit-0-00000002", prefix, rendezvous.to_params(), 1))
+        run_until([prefill, decode], lambda: status(first) == RequestStatus.RUNNING)
+        shared = decode.block_ids(first.request_id)[0][:3]
+        assert decode.mismatches("cmpl-hit-0", shared, shared) == []
+        backend = decode.workers[0].backend
+        assert isinstance(backend, FlakyLoopback)
+        backend.failing.set()
+        longer = prefix + list(range(100, 132))  # the prefix + 2 blocks
+        second = decode.add(
+            make_request("cmpl-hit-1-00000001", longer, remote_prefill_params(server.url), 2)
+        )
+        decode.step()
+        run_until([decode], lambda: len(server.script.bodies) >= 2)
+        rendezvous = decode_rendezvous(server.script.bodies[1])
+        assert rendezvous.remote_cached_tokens == 48  # Decode's own prefix hit
+        ids = decode.block_ids(second.request_id)[0]
+        assert ids[:3] == shared and len(ids) == 5
+        prefill.add(make_request("cmpl-hit-1-00000002", longer, rendezvous.to_params(), 1))
+        run_until([prefill, decode], lambda: bool(decode.failed_recving))
+        assert decode.failed_recving == [{second.request_id}]
+        assert decode.failed_blocks == [(0, second.request_id, ids[3:], ids[3:])]
+        assert decode.load_errors == [set(ids[3:])]
+        run_until([decode], lambda: second.request_id not in decode.scheduler.requests)
+        assert second.status == RequestStatus.FINISHED_ERROR
+        # The request sharing the prefix blocks still runs on them, untouched.
+        assert status(first) == RequestStatus.RUNNING
+        assert decode.mismatches("cmpl-hit-0", shared, shared) == []
+        run_until([prefill, decode], lambda: not prefill.scheduler.requests)
+
+
 def test_prefill_tp2_to_decode_tp1(make_vllm_config: VllmConfigFactory, server: MetaServer) -> None:
     decode = build_engine(
         make_vllm_config, "kv_consumer", kv_port=free_port_block(1), indexer="group"
@@ -183,13 +239,16 @@ def test_prefill_tp2_to_decode_tp1(make_vllm_config: VllmConfigFactory, server: 
         prefill.add(make_request("cmpl-tp-0-00000002", prompt, rendezvous.to_params(), 1))
         run_until([prefill, decode], lambda: status(d_req) == RequestStatus.RUNNING)
         main, idx = decode.block_ids(d_req.request_id)
-        assert decode.mismatches("cmpl-tp-0", main, idx) == []
+        assert (len(main), len(idx)) == (5, 3)  # 16- and 32-token blocks
+        # Main KV is Prefill rank 0's (member 0); the indexer came from both members.
+        assert decode.mismatches("cmpl-tp-0", main, idx, prefill_rank=0) == []
+        assert decode.mismatches("cmpl-tp-0", main, prefill_rank=1) != []
         run_until([prefill, decode], lambda: not prefill.scheduler.requests)
         # Both Prefill ranks published; only member 0 read main KV, both read indexer.
         reads = [s["layer_reads"] for s in decode.stats if s.get("layer_reads")]
         total = sum(v[1] for r in reads for v in r.values())
-        main_bytes = 2 * 2 * 5 * 2048  # layers x (K, V) x blocks x bytes
-        idx_bytes = 2 * 5 * 128  # layers x blocks x bytes (split between the members)
+        main_bytes = len(MAIN) * 5 * MAIN_BLOCK_BYTES  # layers x blocks x bytes
+        idx_bytes = len(MAIN) * 3 * INDEXER_BLOCK * INDEXER_BYTES  # split between members
         assert total == main_bytes + idx_bytes
         for worker in prefill.workers:
             side = worker.prefill
@@ -294,9 +353,8 @@ def test_incompatible_peers_are_refused_before_any_byte_moves(
         p_req = prefill.add(make_request("cmpl-cx-0-00000002", prompt, rendezvous.to_params(), 1))
         run_until([prefill, decode], lambda: bool(decode.failed_recving), timeout_s=15.0)
         assert decode.failed_recving == [{d_req.request_id}]
-        pool = decode.destinations()
-        for block in decode.block_ids(d_req.request_id)[0]:
-            assert not torch.any(pool.tensor(MAIN[0], "k")[block] != 0).item()
+        for block in decode.block_ids(d_req.request_id)[0]:  # never written
+            assert not torch.any(decode.block(MAIN[0], block) != 0).item()
         run_until([prefill, decode], lambda: p_req.request_id not in prefill.scheduler.requests)
         failures = {k for s in prefill.stats for k in s.get("failures", {})}
         assert failures, "Prefill recorded no failure"

@@ -1,10 +1,12 @@
-"""Decode TP 2: two Decode worker halves in threads share one host pool and one decision.
+"""Decode TP 2: two Decode worker halves in threads, each with its own vLLM KV cache, and
+one decision.
 
-Each Decode rank pulls a disjoint share of the main KV into the TP-shared pool (a file
-both ranks map) and a full copy of the indexer into its own memory; the cross-rank
-completion is gathered over a real collective (threads meeting at a barrier), so the
-request becomes runnable only when both ranks are done, and a read that fails on ONE
-rank fails the request on both.
+Every Decode TP rank holds its own KV cache (allocated by vLLM), so each rank pulls ALL
+the main blocks of the request from its Prefill peer (the Prefill rank of the same number)
+and a full copy of the indexer, into the blocks Decode's scheduler allocated; the
+cross-rank completion is gathered over a real collective (threads meeting at a barrier),
+so the request becomes runnable only when both ranks are done, and a read that fails on
+ONE rank fails the request on both (that rank's cache was never written).
 """
 
 from __future__ import annotations
@@ -15,7 +17,10 @@ from test_vllm_connector_faults import FlakyLoopback, LoopbackConnector
 from vllm.v1.request import RequestStatus
 from vllm_metaserver_harness import MetaServer
 from vllm_pd_harness import (
+    INDEXER_BLOCK,
+    INDEXER_BYTES,
     MAIN,
+    MAIN_BLOCK_BYTES,
     build_engine,
     engines,
     free_port_block,
@@ -27,7 +32,7 @@ from vllm_pd_harness import (
 from rd2h_protocol.rendezvous import decode_rendezvous, remote_prefill_params
 
 
-def test_decode_tp2_shares_the_pool_and_completes_on_both_ranks(
+def test_decode_tp2_each_rank_fills_its_own_cache_and_completes_on_both_ranks(
     make_vllm_config: VllmConfigFactory, server: MetaServer
 ) -> None:
     decode = build_engine(
@@ -40,9 +45,10 @@ def test_decode_tp2_shares_the_pool_and_completes_on_both_ranks(
     )
     prefill = build_engine(make_vllm_config, "kv_producer", tp=2, indexer="group")
     with engines(prefill, decode):
-        pools = [decode.destinations(rank) for rank in range(2)]
-        assert pools[0].shared_path is not None and pools[0].shared_path == pools[1].shared_path
-        prompt = list(range(75))  # 5 blocks: the main share splits 3 / 2 over the ranks
+        # Each rank's destinations are its own cache: two disjoint allocations.
+        bases = {decode.destinations(rank).main(MAIN[0])[0].base for rank in range(2)}
+        assert len(bases) == 2
+        prompt = list(range(75))  # 5 main blocks, 3 indexer blocks
         d_req = decode.add(
             make_request("cmpl-dtp-0-00000001", prompt, remote_prefill_params(server.url), 2)
         )
@@ -53,16 +59,19 @@ def test_decode_tp2_shares_the_pool_and_completes_on_both_ranks(
         prefill.add(make_request("cmpl-dtp-0-00000002", prompt, rendezvous.to_params(), 1))
         run_until([prefill, decode], lambda: status(d_req) == RequestStatus.RUNNING)
         main, idx = decode.block_ids(d_req.request_id)
+        assert (len(main), len(idx)) == (5, 3)
         for rank in range(2):
-            # Main through either rank's mapping of the one pool; each rank's own indexer.
+            # Rank r's cache holds Prefill rank r's main KV and the whole indexer.
             assert decode.mismatches("cmpl-dtp-0", main, idx, rank=rank) == [], rank
+        assert decode.mismatches("cmpl-dtp-0", main, rank=1, prefill_rank=0) != []
         run_until([prefill, decode], lambda: not prefill.scheduler.requests)
         for worker in decode.workers:
             assert worker.decode is not None and worker.decode.is_idle()
-        # Each rank read only its share of the main KV: together exactly once.
+        # Each rank read all of the main KV and all of the indexer, once.
         reads = [s["layer_reads"] for s in decode.stats if s.get("layer_reads")]
         total = sum(v[1] for r in reads for v in r.values())
-        assert total == 2 * 2 * 5 * 2048 + 2 * (2 * 5 * 128)  # main once, indexer per rank
+        per_rank = len(MAIN) * (5 * MAIN_BLOCK_BYTES + 3 * INDEXER_BLOCK * INDEXER_BYTES)
+        assert total == 2 * per_rank
 
 
 def test_a_read_failing_on_one_decode_rank_fails_the_request_on_both(
@@ -99,7 +108,8 @@ def test_a_read_failing_on_one_decode_rank_fails_the_request_on_both(
         run_until([decode], lambda: status(d_req) == RequestStatus.RUNNING)
         assert d_req.num_computed_tokens == len(prompt)  # recomputed locally
         run_until([prefill, decode], lambda: not prefill.scheduler.requests)
-        # Rank 0's share did land, rank 1's did not: the pool alone cannot be trusted.
-        pool = decode.destinations(0)
-        untouched = [b for b in main if not torch.any(pool.tensor(MAIN[0], "k")[b] != 0).item()]
-        assert 0 < len(untouched) < len(main)
+        # Rank 0's cache got its layer 0, rank 1's got nothing: either alone would mislead.
+        assert not [bad for bad in decode.mismatches("cmpl-dtf-0", main, rank=0) if MAIN[0] in bad]
+        for name in MAIN:
+            for block in main:
+                assert not torch.any(decode.block(name, block, rank=1) != 0).item()

@@ -1,30 +1,52 @@
-"""rd2h_vllm.destinations: provider interface, both bindings, and scatter events."""
+"""rd2h_vllm.destinations: provider interface, both bindings, and scatter events.
+
+VllmCacheDestinations is tested on KV caches vLLM itself configures and allocates
+(tests/vllm/vllm_pd_harness.py: ``kv_setup``, ``allocate``); the SparseKVOffloadManager
+binding on a duck-typed stand-in (vllm-ascend is not installed here).
+"""
 
 from __future__ import annotations
 
-import itertools
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import VllmConfigFactory
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm_pd_harness import (
+    BLOCK,
+    FAST_METASERVER,
+    INDEXER,
+    INDEXER_BLOCK,
+    INDEXER_BYTES,
+    MAIN_BLOCK_BYTES,
+    KvSetup,
+    allocate,
+    free_port_block,
+    kv_setup,
+)
+from vllm_pd_harness import MAIN as VLLM_MAIN
+from vllm_pd_harness import NUM_BLOCKS as VLLM_NUM_BLOCKS
 
 from rd2h_protocol.errors import ConfigError, LayoutMismatch
 from rd2h_protocol.layout import ComponentDest, DestinationLayout, LayerLayout, validate_layer
+from rd2h_runtime.decode import destination_regions
+from rd2h_runtime.transfer import TransferBackend
+from rd2h_runtime.transfer.base import merge_regions
 from rd2h_runtime.transfer.loopback import LoopbackBackend
+from rd2h_vllm.config import CONNECTOR_MODULE, CONNECTOR_NAME
+from rd2h_vllm.connector import SfaRemoteD2HConnector
 from rd2h_vllm.destinations import (
     DeviceEvents,
-    HostPoolDestinations,
-    LayerSpec,
     SparseOffloadDestinations,
+    VllmCacheDestinations,
     device_events,
     layer_number,
     match_indexer_caches,
     tensor_destination,
 )
+from rd2h_vllm.scheduler import CacheGroups
+from rd2h_vllm.worker import SingleRank, prefill_layouts, split_kv_caches
 
 NUM_BLOCKS = 8
 MAIN = [f"model.layers.{i}.self_attn.attn" for i in range(3)]
@@ -108,8 +130,10 @@ def test_sparse_offload_binding_builds_layouts_prefill_validates() -> None:
     layouts = dict(provider.layouts())
     k_len, v_len = manager.cpu_block_lens[0]
     assert layouts[MAIN[0]] == DestinationLayout(
-        k=ComponentDest(manager.gvas_k_bases[0], k_len, NUM_BLOCKS),
-        v=ComponentDest(manager.gvas_v_bases[0], v_len, NUM_BLOCKS),
+        main=(
+            ComponentDest(manager.gvas_k_bases[0], k_len, NUM_BLOCKS),
+            ComponentDest(manager.gvas_v_bases[0], v_len, NUM_BLOCKS),
+        ),
     )
     assert layouts[MAIN[1]].indexer == ComponentDest(idx.data_ptr(), 64 * 128, NUM_BLOCKS)
     assert layouts[MAIN[1]].scale == ComponentDest(scale.data_ptr(), 64 * 2, NUM_BLOCKS)
@@ -140,73 +164,99 @@ def test_sparse_offload_binding_refuses_a_foreign_manager() -> None:
         SparseOffloadDestinations(manager, {})
 
 
-SPECS = [
-    LayerSpec(MAIN[0], k_block_bytes=256, v_block_bytes=64),
-    LayerSpec(MAIN[1], k_block_bytes=256, v_block_bytes=64, indexer_block_bytes=32),
-    LayerSpec(
-        MAIN[2], k_block_bytes=256, v_block_bytes=64, indexer_block_bytes=32, scale_block_bytes=8
-    ),
-]
+# -- vLLM's own KV cache ---------------------------------------------------------------------
 
 
-def test_host_pool_layouts_match_its_tensors() -> None:
-    pool = HostPoolDestinations(SPECS, NUM_BLOCKS)
-    assert pool.pinned is torch.cuda.is_available()
-    for spec in SPECS:
-        layout = pool.layout(spec.name)
-        assert layout.k == ComponentDest(pool.tensor(spec.name, "k").data_ptr(), 256, NUM_BLOCKS)
-        assert layout.v == ComponentDest(pool.tensor(spec.name, "v").data_ptr(), 64, NUM_BLOCKS)
-        assert (layout.indexer is None) == (spec.indexer_block_bytes is None)
-        assert (layout.scale is None) == (spec.scale_block_bytes is None)
-        assert pool.tensor(spec.name, "k").shape == (NUM_BLOCKS, 256)
-    # Main components are disjoint stripes of one pool.
-    spans = sorted(
-        (d.base, d.base + d.block_bytes * d.num_blocks)
-        for name in pool.layer_names
-        for d in pool.main(name)
+def vllm_caches(
+    make_vllm_config: VllmConfigFactory, indexer: str
+) -> tuple[KvSetup, dict[str, torch.Tensor]]:
+    """vLLM's KV-cache configuration for ``indexer`` and one worker's caches, as vLLM
+    allocates them."""
+    setup = kv_setup(make_vllm_config(), indexer)
+    return setup, allocate(setup.workers[0])
+
+
+@pytest.mark.parametrize("indexer", ["none", "shared", "group"])
+def test_vllm_cache_destinations_are_vllms_own_blocks(
+    make_vllm_config: VllmConfigFactory, indexer: str
+) -> None:
+    setup, caches = vllm_caches(make_vllm_config, indexer)
+    num_blocks = setup.workers[0].num_blocks
+    provider = VllmCacheDestinations(split_kv_caches(caches, num_blocks), num_blocks)
+    # Every TP rank has its own KV cache: each reads all main blocks of its requests.
+    assert provider.main_shared is False
+    assert list(provider.layer_names) == VLLM_MAIN
+    assert provider.num_blocks == num_blocks == VLLM_NUM_BLOCKS
+    idx_page = (BLOCK if indexer == "shared" else INDEXER_BLOCK) * INDEXER_BYTES
+    for layer, name in enumerate(VLLM_MAIN):
+        layout = provider.layout(name)
+        # ONE block array per layer (K and V side by side), at vLLM's view of the layer.
+        assert layout.main == (
+            ComponentDest(caches[name].data_ptr(), MAIN_BLOCK_BYTES, VLLM_NUM_BLOCKS),
+        )
+        if indexer == "none":
+            assert layout.indexer is None
+        else:
+            view = caches[INDEXER[layer]]
+            assert layout.indexer == ComponentDest(view.data_ptr(), idx_page, VLLM_NUM_BLOCKS)
+        assert layout.scale is None
+        # Block b of each destination is block b of vLLM's view (what attention reads).
+        for block in (0, 1, VLLM_NUM_BLOCKS - 1):
+            main = layout.main[0]
+            assert main.base + block * main.block_bytes == caches[name][block].data_ptr()
+    assert provider.layouts() == [(name, provider.layout(name)) for name in VLLM_MAIN]
+
+
+def test_a_prefill_of_the_same_model_validates_and_a_v1_peer_is_refused(
+    make_vllm_config: VllmConfigFactory,
+) -> None:
+    setup, decode_caches = vllm_caches(make_vllm_config, "group")
+    _, prefill_caches = vllm_caches(make_vllm_config, "group")
+    config = setup.workers[0]
+    groups = CacheGroups.from_kv_cache_config(config)
+    provider = VllmCacheDestinations(
+        split_kv_caches(decode_caches, config.num_blocks), config.num_blocks
     )
-    assert all(a_end <= b_start for (_, a_end), (b_start, _) in itertools.pairwise(spans))
-    pool.close()
-
-
-@pytest.mark.parametrize(
-    ("layers", "num_blocks", "expected"),
-    [
-        (SPECS, 0, "at least one block"),
-        ([], 4, "at least one layer"),
-        ([SPECS[0], SPECS[0]], 4, "unique"),
-    ],
-)
-def test_host_pool_refusals(layers: list[LayerSpec], num_blocks: int, expected: str) -> None:
-    with pytest.raises(ConfigError, match=expected):
-        HostPoolDestinations(layers, num_blocks)
-
-
-def test_layer_spec_refusals() -> None:
-    with pytest.raises(ConfigError, match=">= 1"):
-        LayerSpec("x", k_block_bytes=0, v_block_bytes=1)
-    with pytest.raises(ConfigError, match="needs an indexer"):
-        LayerSpec("x", k_block_bytes=1, v_block_bytes=1, scale_block_bytes=4)
-
-
-def test_a_real_read_lands_in_the_host_pool_blocks() -> None:
-    """Prefill tensors -> loopback read at the provider's addresses -> pool tensors."""
-    pool = HostPoolDestinations(SPECS, NUM_BLOCKS)
-    name = MAIN[2]
-    layout = pool.layout(name)
-    src = {
-        "k": torch.randint(0, 255, (4, 256), dtype=torch.uint8),
-        "v": torch.randint(0, 255, (4, 64), dtype=torch.uint8),
-        "indexer": torch.randint(0, 255, (4, 32), dtype=torch.uint8),
-        "scale": torch.randint(0, 255, (4, 8), dtype=torch.uint8),
-    }
-    prefill_layout = LayerLayout(
-        base_addrs=[src[c].data_ptr() for c in ("k", "v", "indexer", "scale")],
-        block_len=[256, 64, 32, 8],
-        tensor_group_idx=[0, 0, 1, 1],
-        has_indexer=True,
+    sources = dict(
+        prefill_layouts(
+            split_kv_caches(prefill_caches, config.num_blocks), groups, config.num_blocks
+        )
     )
-    main, indexer = validate_layer(name, prefill_layout, layout)
+    for name in VLLM_MAIN:
+        main, indexer = validate_layer(name, sources[name], provider.layout(name))
+        assert [c.name for c in main] == ["kv"] and [c.name for c in indexer] == ["indexer"]
+        assert main[0].dst_base == decode_caches[name].data_ptr()
+        assert main[0].src_base == prefill_caches[name].data_ptr()
+    # A v1 Prefill sends K and V as two components: refused naming both counts.
+    half = MAIN_BLOCK_BYTES // 2
+    v1 = LayerLayout(base_addrs=[0x1000, 0x2000], block_len=[half, half], tensor_group_idx=[0, 0])
+    with pytest.raises(LayoutMismatch, match=r"main_tensor_count.*2.*1"):
+        validate_layer(VLLM_MAIN[0], v1, DestinationLayout(main=provider.main(VLLM_MAIN[0])))
+
+
+def test_vllm_cache_destinations_need_a_layer() -> None:
+    with pytest.raises(ConfigError, match="no cache-bearing layer"):
+        VllmCacheDestinations([], VLLM_NUM_BLOCKS)
+
+
+def test_a_real_read_lands_in_vllms_cache_blocks(make_vllm_config: VllmConfigFactory) -> None:
+    """Prefill's vLLM caches -> loopback read at the provider's addresses -> the blocks of
+    Decode's vLLM caches, and nothing else."""
+    setup, decode_caches = vllm_caches(make_vllm_config, "shared")
+    _, prefill_caches = vllm_caches(make_vllm_config, "shared")
+    config = setup.workers[0]
+    nb = config.num_blocks
+    groups = CacheGroups.from_kv_cache_config(config)
+    provider = VllmCacheDestinations(split_kv_caches(decode_caches, nb), nb)
+    name, idx_name = VLLM_MAIN[1], INDEXER[1]
+    for cache in (prefill_caches[name], prefill_caches[idx_name]):
+        cache.view(torch.uint8).copy_(torch.randint_like(cache.view(torch.uint8), 0, 255))
+    [(_, src)] = [
+        (n, lay)
+        for n, lay in prefill_layouts(split_kv_caches(prefill_caches, nb), groups, nb)
+        if n == name
+    ]
+    main, indexer = validate_layer(name, src, provider.layout(name))
     p_ids, d_ids = [0, 1, 3], [5, 2, 7]
     remote, local, lengths = [], [], []
     for comp in (*main, *indexer):
@@ -218,56 +268,63 @@ def test_a_real_read_lands_in_the_host_pool_blocks() -> None:
         LoopbackBackend(role="prefill") as prefill,
         LoopbackBackend(role="decode") as decode,
     ):
-        prefill.register([(t.data_ptr(), t.numel()) for t in src.values()])
-        dests = [layout.k, layout.v, layout.indexer, layout.scale]
-        decode.register([(d.base, d.block_bytes * d.num_blocks) for d in dests if d is not None])
+        prefill.register(
+            [(t.data_ptr(), t.numel() * t.element_size()) for t in prefill_caches.values()]
+        )
+        decode.register(destination_regions(provider.layouts()))
         decode.read(prefill.session_id, remote, local, lengths, timeout_s=10)
-    for component, tensor in src.items():
-        dest = pool.tensor(name, component)
+    for layer in (name, idx_name):
+        dest, source = decode_caches[layer], prefill_caches[layer]
         for p, d in zip(p_ids, d_ids, strict=True):
-            assert torch.equal(dest[d], tensor[p]), (component, p, d)
-        untouched = [b for b in range(NUM_BLOCKS) if b not in d_ids]
-        assert int(dest[untouched].sum()) == 0
-    pool.close()
+            assert torch.equal(dest[d].view(torch.uint8), source[p].view(torch.uint8)), (
+                layer,
+                p,
+                d,
+            )
+        untouched = [b for b in range(nb) if b not in d_ids]
+        assert not torch.any(dest[untouched].view(torch.uint8) != 0).item()
+    for other in (VLLM_MAIN[0], INDEXER[0]):  # the other layer was not touched
+        assert not torch.any(decode_caches[other].view(torch.uint8) != 0).item()
 
 
-def test_shared_host_pool_is_one_pool_across_processes(tmp_path: Path) -> None:
-    """Two TP ranks (processes) map one pool: what rank 1 writes, rank 0 reads."""
-    path = tmp_path / "rd2h-pool"
-    rank0 = HostPoolDestinations(SPECS, NUM_BLOCKS, shared_path=path)
-    child = textwrap.dedent(
-        f"""
-        import ctypes, sys
-        from rd2h_vllm.destinations import HostPoolDestinations, LayerSpec
-        specs = [LayerSpec(n, k_block_bytes=k, v_block_bytes=v, indexer_block_bytes=i,
-                           scale_block_bytes=s) for n, k, v, i, s in {
-            [
-                (
-                    s.name,
-                    s.k_block_bytes,
-                    s.v_block_bytes,
-                    s.indexer_block_bytes,
-                    s.scale_block_bytes,
-                )
-                for s in SPECS
-            ]
-        }]
-        rank1 = HostPoolDestinations(specs, {NUM_BLOCKS}, shared_path={str(path)!r})
-        k, v = rank1.main({MAIN[1]!r})
-        # Rank 1 writes its share (block 6 of K) through ITS OWN address of the pool.
-        ctypes.memset(k.base + 6 * k.block_bytes, 0xAB, k.block_bytes)
-        idx, _ = rank1.indexer({MAIN[1]!r})
-        ctypes.memset(idx.base, 0xCD, idx.block_bytes)  # rank-local: rank 0 must not see it
-        rank1.close()
-        """
+@pytest.mark.parametrize("indexer", ["none", "shared", "group"])
+def test_decode_registers_exactly_its_vllm_cache(
+    make_vllm_config: VllmConfigFactory, indexer: str
+) -> None:
+    """Decode's backend registers vLLM's KV cache allocation, nothing else (the groups of
+    the "group" case alias one allocation: their regions merge)."""
+    vllm_config = make_vllm_config(
+        {
+            "kv_connector": CONNECTOR_NAME,
+            "kv_connector_module_path": CONNECTOR_MODULE,
+            "kv_role": "kv_consumer",
+            "kv_port": free_port_block(1),
+            "kv_connector_extra_config": {"transfer_backend": "nixl", **FAST_METASERVER},
+        }
     )
-    subprocess.run([sys.executable, "-c", child], check=True, timeout=50)
-    k_view = rank0.tensor(MAIN[1], "k")
-    assert bool((k_view[6] == 0xAB).all())
-    assert int(k_view[:6].sum()) == 0 and int(k_view[7:].sum()) == 0
-    assert int(rank0.tensor(MAIN[1], "indexer").sum()) == 0
-    rank0.close(unlink=True)
-    assert not path.exists()
+    setup = kv_setup(vllm_config, indexer)
+    caches = allocate(setup.workers[0])
+    connector = LoopbackDecode(vllm_config, KVConnectorRole.WORKER, setup.workers[0])
+    connector.bind_tp_group(SingleRank())
+    try:
+        connector.register_kv_caches(caches)
+        provider = connector.destinations
+        assert isinstance(provider, VllmCacheDestinations)
+        assert connector.decode is not None
+        registered = connector.decode.worker.backend.registered
+        [storage] = {t.untyped_storage().data_ptr() for t in caches.values()}
+        size = setup.workers[0].kv_cache_tensors[0].size  # vLLM's one backing allocation
+        assert registered == [(storage, size)]
+        assert registered == merge_regions(destination_regions(provider.layouts()))
+    finally:
+        connector.shutdown()
+
+
+class LoopbackDecode(SfaRemoteD2HConnector):
+    """The real connector on the in-process loopback backend."""
+
+    def create_backend(self, role: str) -> TransferBackend:
+        return LoopbackBackend(role=role, host="127.0.0.1")
 
 
 def test_cpu_scatter_events_are_done_when_recorded() -> None:

@@ -117,7 +117,7 @@ def test_the_guides_json_builds_the_real_connector_by_name(
     clean_registry: type[object], make_vllm_config: Any
 ) -> None:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-    from vllm_pd_harness import kv_cache_config
+    from vllm_pd_harness import kv_setup
 
     from rd2h_vllm.connector import SfaRemoteD2HConnector
 
@@ -130,7 +130,7 @@ def test_the_guides_json_builds_the_real_connector_by_name(
     }
     config = make_vllm_config(guide, attach_after=False)
     connector = KVConnectorFactory.create_connector(
-        config, KVConnectorRole.SCHEDULER, kv_cache_config("none")
+        config, KVConnectorRole.SCHEDULER, kv_setup(config).scheduler
     )
     assert isinstance(connector, SfaRemoteD2HConnector)
     try:

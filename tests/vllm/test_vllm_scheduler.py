@@ -31,6 +31,7 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 from vllm_metaserver_harness import MetaServer
+from vllm_pd_harness import BLOCK, INDEXER_BLOCK, MAIN, kv_setup
 
 from rd2h_protocol.errors import ConfigError, ErrorCode
 from rd2h_protocol.rendezvous import (
@@ -49,9 +50,7 @@ from rd2h_vllm.scheduler import (
     SendSpec,
 )
 
-BLOCK = 16
-NUM_BLOCKS = 64
-LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
+LAYERS = list(MAIN)
 #: A quick metaserver client: failures show up within a test's patience.
 FAST: dict[str, Any] = {
     "metaserver_timeout_s": 2.0,
@@ -98,24 +97,14 @@ def make_scheduler(make_vllm_config: VllmConfigFactory) -> Iterator[SchedulerFac
         config = make_vllm_config(
             transfer, tp=tp, attach_after=False, max_num_batched_tokens=max_num_batched_tokens
         )
-        config.cache_config.num_gpu_blocks = NUM_BLOCKS
-        kv_cache_config = KVCacheConfig(
-            num_blocks=NUM_BLOCKS,
-            kv_cache_tensors=[],
-            kv_cache_groups=[
-                KVCacheGroupSpec(
-                    layer_names=list(LAYERS),
-                    kv_cache_spec=FullAttentionSpec(
-                        block_size=BLOCK, num_kv_heads=2, head_size=16, dtype=torch.float32
-                    ),
-                )
-            ],
-        )
+        setup = kv_setup(config)  # vLLM's own KV-cache configuration of the model
+        assert setup.scheduler.kv_cache_groups[0].layer_names == LAYERS
         scheduler = Scheduler(
             config,
-            kv_cache_config,
+            setup.scheduler,
             StructuredOutputManager(config),
-            block_size=BLOCK,
+            block_size=setup.block_size,
+            hash_block_size=setup.hash_block_size,
             log_stats=True,
         )
         made.append(scheduler)
@@ -497,3 +486,21 @@ def test_cache_groups_find_main_and_indexer() -> None:
     )
     with pytest.raises(ConfigError, match="no KV-cache group holds a main"):
         CacheGroups.from_kv_cache_config(only_indexer)
+
+
+@pytest.mark.parametrize(
+    ("indexer", "expected"),
+    [
+        ("none", (0, None, (BLOCK,))),
+        ("shared", (0, 0, (BLOCK,))),
+        ("group", (0, 1, (BLOCK, INDEXER_BLOCK))),
+    ],
+)
+def test_cache_groups_of_the_groups_vllm_makes(
+    make_vllm_config: VllmConfigFactory, indexer: str, expected: tuple[Any, ...]
+) -> None:
+    """The same on the KV-cache configurations vLLM itself builds (scheduler and worker)."""
+    setup = kv_setup(make_vllm_config(), indexer)
+    for config in (setup.scheduler, setup.workers[0]):
+        groups = CacheGroups.from_kv_cache_config(config)
+        assert (groups.main, groups.indexer, groups.block_sizes) == expected

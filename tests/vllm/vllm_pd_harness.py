@@ -1,20 +1,56 @@
-"""Prefill and Decode engines made of REAL vLLM Schedulers and real rd2h connectors.
+"""Prefill and Decode engines made of REAL vLLM Schedulers, real rd2h connectors and the
+KV caches vLLM itself allocates.
 
 An :class:`Engine` is one vLLM engine reduced to what the connector sees: a real
 ``Scheduler`` (whose scheduler-side ``SfaRemoteD2HConnector`` vLLM builds from the
-kv-transfer config) and one worker-side connector per TP rank, each with its own KV-cache
-tensors on the CPU. :meth:`Engine.step` is one engine step as vLLM's model runner runs it:
+kv-transfer config) and one worker-side connector per TP rank, each with its own KV cache
+on the CPU. :meth:`Engine.step` is one engine step as vLLM's model runner runs it:
 ``bind_connector_metadata``, then per layer ``wait_for_layer_load`` / write the KV /
 ``save_kv_layer`` (Prefill), ``start_load_kv``, ``wait_for_save``,
 ``get_transfer_results``, ``get_block_ids_with_load_errors``, ``get_kv_connector_stats``,
 ``clear_connector_metadata``; the TP workers' outputs go through vLLM's
 ``KVOutputAggregator`` into ``Scheduler.update_from_output``.
 
-What Prefill writes is verifiable: every block of every layer and component holds
+The KV caches are vLLM's own (:func:`kv_setup`): the per-layer ``KVCacheSpec`` a model
+declares goes through the engine core's sequence (``get_kv_cache_configs`` -- grouping,
+page-size unification, ``KVCacheTensor`` placement --, ``generate_scheduler_kv_cache_config``,
+``resolve_kv_cache_block_sizes``), and each worker's caches come from
+``vllm.v1.worker.utils.allocate_kv_cache`` under ``KVCacheLayout.LBHNC`` (the only layout
+vLLM's CPU attention backend supports, so what a CPU server resolves). Main layers are
+``FullAttentionSpec`` (a Llama-like layer): one ``[num_blocks, heads, block_size,
+head + head_v]`` view per layer, K and V side by side, i.e. ONE block array per layer.
+
+``indexer`` says where the sparse-attention indexer caches (layer names containing
+"indexer", declared as DeepSeek V3.2's ``DeepseekV32IndexerCache.get_kv_cache_spec``
+does: ``MLAAttentionSpec(num_kv_heads=1, head_size=<bytes>, dtype=uint8,
+cache_role=INDEXER)``) end up:
+
+* ``"none"``: no indexer; one KV-cache group.
+* ``"shared"``: the indexer declared with the main layers' block size. vLLM puts every
+  layer in ONE group (``UniformTypeKVCacheSpecs``, as it does for DeepSeek V3.2): main and
+  indexer share block ids, each with its own page size and its own ``KVCacheTensor``.
+* ``"group"``: the indexer declared with TWICE the main block size (``INDEXER_BLOCK``).
+  Specs of different block sizes are not one type for vLLM, so ``get_kv_cache_groups``
+  puts the indexer in a second KV-cache group, with its own block ids and block size
+  (the indexer-in-its-own-group form RD2H's protocol supports). vLLM gives several groups
+  one page size (``unify_kv_cache_spec_page_size`` grows the smaller page's block size),
+  and ``validate_kv_cache_layout`` refuses mixed page sizes in several groups under any
+  layer-compact layout (only BLHNC/BLNHC could hold them, and RD2H, moving one layer at a
+  time, refuses block-outermost layouts); so this is the only multi-group form vLLM
+  produces for RD2H. The indexer's bytes per token are chosen so its page already equals
+  the main page (32 x 128 B = 2 x 16 x 32 x 4 B) and its block size stays 32 tokens. As
+  for any hybrid model, vLLM overlays the two groups on ONE allocation (both
+  ``KVCacheTensor`` start at offset 0): a block id belongs to one group at a time.
+
+What Prefill writes is verifiable: every block of every block array holds
 :func:`rd2h_runtime.synthetic.block_pattern` of (external request id, layer, component,
 logical block), where the logical block is the block's position in the request's block
-list of its KV-cache group. Decode checks its destination blocks against the same
-function (:meth:`Engine.mismatches`).
+list of its KV-cache group. The main component's name includes the Prefill TP rank
+(``kv@p1``): each Prefill rank holds different bytes, so Decode rank ``r`` must find the
+bytes of the Prefill rank it reads main KV from (its contributor member 0); the indexer
+is the same on every Prefill rank (DeepSeek's indexer is replicated over TP), so
+contributors may split it. Decode checks the blocks its own scheduler allocated, in its
+own vLLM caches (:meth:`Engine.mismatches`): that is where vLLM's attention reads.
 """
 
 from __future__ import annotations
@@ -34,27 +70,46 @@ from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.kv_cache_utils import (
+    generate_scheduler_kv_cache_config,
+    get_kv_cache_configs,
+    get_request_block_hasher,
+    init_none_hash,
+    resolve_cache_hit_alignment_tokens,
+    resolve_kv_cache_block_sizes,
+)
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutputs
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheSpec,
+    MLAAttentionSpec,
+    SparseCacheRole,
+)
+from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
+from vllm.v1.worker.utils import allocate_kv_cache
 
 from rd2h_runtime.control import ControlOptions
 from rd2h_runtime.synthetic import block_pattern
 from rd2h_vllm.config import CONNECTOR_MODULE, CONNECTOR_NAME
 from rd2h_vllm.connector import SfaRemoteD2HConnector
-from rd2h_vllm.destinations import HostPoolDestinations
+from rd2h_vllm.destinations import VllmCacheDestinations
 from rd2h_vllm.worker import SingleRank
 
 BLOCK = 16
-NUM_BLOCKS = 64
+INDEXER_BLOCK = 2 * BLOCK  # the indexer's block size in the "group" case
+NUM_BLOCKS = 128
 NUM_LAYERS = 2
 HEADS, HEAD = 2, 16
-INDEXER_BYTES = 8  # bytes per token of the indexer cache
+INDEXER_BYTES = 128  # bytes per token of the indexer cache
+#: Bytes of one main block: heads x tokens x (K + V) x float32.
+MAIN_BLOCK_BYTES = HEADS * BLOCK * 2 * HEAD * 4
+LAYOUT = KVCacheLayout.LBHNC  # vLLM's CPU attention backend supports only this one
 MAIN = [f"model.layers.{i}.self_attn.attn" for i in range(NUM_LAYERS)]
 INDEXER = [f"model.layers.{i}.self_attn.indexer.k_cache" for i in range(NUM_LAYERS)]
 
@@ -72,16 +127,101 @@ FAST_METASERVER: dict[str, Any] = {
     "advertise_host": "127.0.0.1",
 }
 
-_hasher: Callable[[Request], Any] | None = None
+_hashers: dict[int, Callable[[Request], Any]] = {}
 
 
-def block_hasher() -> Callable[[Request], Any]:
-    """vLLM's prefix-cache block hasher (initialised once per process)."""
-    global _hasher
-    if _hasher is None:
+def block_hasher(size: int = BLOCK) -> Callable[[Request], Any]:
+    """vLLM's prefix-cache block hasher for ``size``-token hash blocks (one per process)."""
+    if not _hashers:
         init_none_hash(sha256)
-        _hasher = get_request_block_hasher(BLOCK, sha256)
-    return _hasher
+    if size not in _hashers:
+        _hashers[size] = get_request_block_hasher(size, sha256)
+    return _hashers[size]
+
+
+# -- vLLM's own KV-cache configuration and allocation ------------------------------------------
+
+
+def layer_specs(indexer: str = "none") -> dict[str, KVCacheSpec]:
+    """The ``KVCacheSpec`` every cache-bearing layer declares, in model order (see the
+    module docstring for ``indexer``)."""
+    if indexer not in ("none", "shared", "group"):
+        raise ValueError(f"indexer must be none, shared or group, got {indexer!r}")
+    main = FullAttentionSpec(
+        block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.float32
+    )
+    specs: dict[str, KVCacheSpec] = {}
+    for layer in range(NUM_LAYERS):
+        specs[MAIN[layer]] = main
+        if indexer != "none":
+            specs[INDEXER[layer]] = MLAAttentionSpec(  # DeepseekV32IndexerCache's spec
+                block_size=BLOCK if indexer == "shared" else INDEXER_BLOCK,
+                num_kv_heads=1,
+                max_tp_shards=1,
+                head_size=INDEXER_BYTES,
+                dtype=torch.uint8,
+                cache_role=SparseCacheRole.INDEXER,
+            )
+    return specs
+
+
+@dataclass(frozen=True)
+class KvSetup:
+    """What vLLM's engine core resolves for the KV cache before the engine starts."""
+
+    workers: list[KVCacheConfig]  # one per TP rank (what each worker's connector gets)
+    scheduler: KVCacheConfig  # what the Scheduler (and its connector) gets
+    block_size: int  # the scheduler's block size (LCM of the groups' block sizes)
+    hash_block_size: int  # prefix-cache hash granularity (GCD of the groups')
+
+
+def kv_setup(
+    vllm_config: VllmConfig, indexer: str = "none", layout: KVCacheLayout = LAYOUT
+) -> KvSetup:
+    """vLLM's KV-cache configuration for ``indexer``, one worker per TP rank, resolved as
+    the engine core does (vllm/v1/engine/core.py) with ``NUM_BLOCKS`` blocks and
+    ``layout`` resolved. Sets the resolved fields on ``vllm_config.cache_config``."""
+    cache = vllm_config.cache_config
+    cache.kv_cache_layout = layout.name
+    cache.num_gpu_blocks_override = NUM_BLOCKS
+    tp = vllm_config.parallel_config.tensor_parallel_size
+    specs = layer_specs(indexer)
+    workers = get_kv_cache_configs(vllm_config, [specs] * tp, [1 << 30] * tp)
+    for config in workers:
+        config.kv_cache_layout = layout.name
+    scheduler = generate_scheduler_kv_cache_config(workers)
+    cache.num_gpu_blocks = scheduler.num_blocks
+    cache.block_size = min(g.kv_cache_spec.block_size for g in scheduler.kv_cache_groups)
+    block_size, hash_block_size = resolve_kv_cache_block_sizes(scheduler, vllm_config)
+    alignment = resolve_cache_hit_alignment_tokens(
+        scheduler, vllm_config, block_size, hash_block_size
+    )
+    for config in (*workers, scheduler):
+        config.hash_block_size = hash_block_size
+        config.cache_hit_alignment_tokens = alignment
+    return KvSetup(workers, scheduler, block_size, hash_block_size)
+
+
+def allocate(kv_cache_config: KVCacheConfig) -> dict[str, torch.Tensor]:
+    """One worker's KV caches, allocated by vLLM itself (what ``register_kv_caches`` gets)
+    in the layout the configuration was resolved with."""
+    layout = KVCacheLayout[kv_cache_config.kv_cache_layout or LAYOUT.name]
+    return allocate_kv_cache(kv_cache_config, torch.device("cpu"), layout, None)
+
+
+def block_bytes(cache: torch.Tensor, block: int) -> torch.Tensor:
+    """The bytes of vLLM block ``block`` of one layer's cache view, as a flat uint8 view.
+
+    Under ``LAYOUT`` (LBHNC) a block of a ``[B, H, N, C]`` view is one contiguous page.
+    """
+    page = cache[block]
+    assert page.is_contiguous(), f"block {block} of {tuple(cache.shape)} is not one page"
+    return page.reshape(-1).view(torch.uint8)
+
+
+def main_component(prefill_rank: int) -> str:
+    """The pattern component of the main KV written by Prefill TP rank ``prefill_rank``."""
+    return f"kv@p{prefill_rank}"
 
 
 def free_port_block(count: int, host: str = "127.0.0.1") -> int:
@@ -118,31 +258,6 @@ def make_request(
         None,
         block_hasher=block_hasher(),
     )
-
-
-def kv_cache_config(indexer: str) -> KVCacheConfig:
-    """The main layers' group; indexers in a second group ("group") or in the main group
-    ("shared"), or none ("none")."""
-    spec = FullAttentionSpec(
-        block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.float32
-    )
-    main = list(MAIN) + (list(INDEXER) if indexer == "shared" else [])
-    groups = [KVCacheGroupSpec(layer_names=main, kv_cache_spec=spec)]
-    if indexer == "group":
-        groups.append(KVCacheGroupSpec(layer_names=list(INDEXER), kv_cache_spec=spec))
-    return KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=groups)
-
-
-def kv_caches(indexer: str) -> dict[str, torch.Tensor]:
-    """One rank's KV caches: ``[2, blocks, block, heads, head]`` per main layer (K, V),
-    ``[blocks, block, INDEXER_BYTES]`` uint8 per indexer."""
-    caches = {
-        name: torch.zeros((2, NUM_BLOCKS, BLOCK, HEADS, HEAD), dtype=torch.float32) for name in MAIN
-    }
-    if indexer != "none":
-        for name in INDEXER:
-            caches[name] = torch.zeros((NUM_BLOCKS, BLOCK, INDEXER_BYTES), dtype=torch.uint8)
-    return caches
 
 
 class ThreadGather:
@@ -189,11 +304,6 @@ def rd2h_of(connector: object) -> SfaRemoteD2HConnector:
     return ours
 
 
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    """The raw bytes of a contiguous block, as a flat uint8 view."""
-    return t.reshape(-1).view(torch.uint8)
-
-
 @dataclass
 class StepResult:
     """What one engine step produced."""
@@ -211,7 +321,7 @@ class Engine:
     scheduler: Scheduler
     workers: list[Any]  # SfaRemoteD2HConnector, or a multi-connector holding one
     caches: list[dict[str, torch.Tensor]]
-    indexer: str  # "none", "group" or "shared" (see kv_cache_config)
+    indexer: str  # "none", "group" or "shared" (see the module docstring)
     vllm_config: VllmConfig
     aggregator: KVOutputAggregator
     #: Called between layers of a Prefill step: (step number, rank, layer index).
@@ -328,60 +438,79 @@ class Engine:
             kv_connector_output=kv_out,
         )
 
+    @property
+    def indexer_group(self) -> int:
+        """The KV-cache group holding the indexer layers."""
+        return 1 if self.indexer == "group" else 0
+
+    @property
+    def indexer_block(self) -> int:
+        """Tokens per indexer block."""
+        return INDEXER_BLOCK if self.indexer == "group" else BLOCK
+
     def _write(self, out: SchedulerOutput, rank: int, layer: int, *, indexer: bool) -> None:
-        """Prefill: write every block the step's tokens touch, in this rank's cache."""
+        """Prefill: write every block the step's tokens touch, in this rank's own cache."""
         if self.role != "kv_producer":
             return
         for req_id, count in out.num_scheduled_tokens.items():
             req = self.scheduler.requests[req_id]
             ext = req_id[:-9]
             start = req.num_computed_tokens - count  # schedule() advanced it already
-            first, last = start // BLOCK, (start + count - 1) // BLOCK
             ids = self.block_ids(req_id)
             if indexer:
-                group_ids = ids[1] if self.indexer == "group" else ids[0]
-                cache = self.caches[rank][INDEXER[layer]]
-                for j in range(first, last + 1):
-                    pat = block_pattern(ext, layer, "indexer", [j], BLOCK * INDEXER_BYTES)
-                    _bytes(cache[group_ids[j]]).copy_(torch.from_numpy(pat[0]))
-                continue
-            cache = self.caches[rank][MAIN[layer]]
-            for j in range(first, last + 1):
-                for kv, comp in enumerate(("k", "v")):
-                    nbytes = BLOCK * HEADS * HEAD * 4
-                    pat = block_pattern(ext, layer, comp, [j], nbytes)
-                    _bytes(cache[kv][ids[0][j]]).copy_(torch.from_numpy(pat[0]))
+                size, group_ids = self.indexer_block, ids[self.indexer_group]
+                cache, component = self.caches[rank][INDEXER[layer]], "indexer"
+            else:
+                size, group_ids = BLOCK, ids[0]
+                cache, component = self.caches[rank][MAIN[layer]], main_component(rank)
+            for j in range(start // size, (start + count - 1) // size + 1):
+                dest = block_bytes(cache, group_ids[j])
+                pat = block_pattern(ext, layer, component, [j], dest.numel())
+                dest.copy_(torch.from_numpy(pat[0]))
 
     # -- Decode checks ---------------------------------------------------------------------
 
-    def destinations(self, rank: int = 0) -> HostPoolDestinations:
+    def destinations(self, rank: int = 0) -> VllmCacheDestinations:
+        """Decode rank ``rank``'s destinations: its own vLLM KV cache, in place."""
         dest = self.rd2h(rank).destinations
-        assert isinstance(dest, HostPoolDestinations)
+        assert isinstance(dest, VllmCacheDestinations)
+        assert dest.main_shared is False
+        for name in MAIN:
+            [main] = dest.main(name)
+            assert main.base == self.caches[rank][name].data_ptr()
         return dest
 
+    def block(self, name: str, block: int, rank: int = 0) -> torch.Tensor:
+        """A copy of the bytes of ``block`` of layer ``name`` in rank ``rank``'s cache."""
+        return block_bytes(self.caches[rank][name], block).clone()
+
     def mismatches(
-        self, ext: str, main_ids: Sequence[int], indexer_ids: Sequence[int] = (), rank: int = 0
+        self,
+        ext: str,
+        main_ids: Sequence[int],
+        indexer_ids: Sequence[int] = (),
+        rank: int = 0,
+        prefill_rank: int | None = None,
     ) -> list[str]:
-        """Destination blocks of ``ext`` whose bytes differ from what Prefill wrote."""
-        dest = self.destinations(rank)
+        """Blocks of ``ext`` in Decode rank ``rank``'s own vLLM caches, at its destination
+        ids, whose bytes differ from what Prefill wrote. The main KV is expected from
+        Prefill rank ``prefill_rank``; the default, the same rank number, is the rank
+        Decode reads main KV from when the TP sizes are equal, and member 0 (rank 0) of
+        the contributors when two Prefill ranks feed Decode rank 0."""
+        self.destinations(rank)  # the caches checked are the connector's destinations
+        source = rank if prefill_rank is None else prefill_rank
         bad: list[str] = []
         for layer, name in enumerate(MAIN):
-            for comp in ("k", "v"):
-                tensor = dest.tensor(name, comp)
-                for j, block in enumerate(main_ids):
-                    want = torch.from_numpy(
-                        block_pattern(ext, layer, comp, [j], tensor.shape[1])[0]
-                    )
-                    if not torch.equal(tensor[block], want):
-                        bad.append(f"{name}/{comp}/block {j}")
-            if indexer_ids:
-                tensor = dest.tensor(name, "indexer")
-                for j, block in enumerate(indexer_ids):
-                    want = torch.from_numpy(
-                        block_pattern(ext, layer, "indexer", [j], tensor.shape[1])[0]
-                    )
-                    if not torch.equal(tensor[block], want):
-                        bad.append(f"{name}/indexer/block {j}")
+            for j, block in enumerate(main_ids):
+                have = block_bytes(self.caches[rank][name], block)
+                want = block_pattern(ext, layer, main_component(source), [j], have.numel())
+                if not torch.equal(have, torch.from_numpy(want[0])):
+                    bad.append(f"{name}/kv/block {j}")
+            for j, block in enumerate(indexer_ids):
+                have = block_bytes(self.caches[rank][INDEXER[layer]], block)
+                want = block_pattern(ext, layer, "indexer", [j], have.numel())
+                if not torch.equal(have, torch.from_numpy(want[0])):
+                    bad.append(f"{INDEXER[layer]}/block {j}")
         return bad
 
     def close(self) -> None:
@@ -421,23 +550,27 @@ def build_engine(
     config = make_vllm_config(
         transfer, tp=tp, attach_after=False, max_num_batched_tokens=max_num_batched_tokens
     )
-    config.cache_config.num_gpu_blocks = NUM_BLOCKS
-    kcc = kv_cache_config(indexer)
+    setup = kv_setup(config, indexer)
     scheduler = Scheduler(
-        config, kcc, StructuredOutputManager(config), block_size=BLOCK, log_stats=True
+        config,
+        setup.scheduler,
+        StructuredOutputManager(config),
+        block_size=setup.block_size,
+        hash_block_size=setup.hash_block_size,
+        log_stats=True,
     )
     workers: list[Any] = []
     caches: list[dict[str, torch.Tensor]] = []
     gather = ThreadGather(tp) if threaded else None
     try:
         for rank in range(tp):
-            worker = worker_cls(config, KVConnectorRole.WORKER, kcc)
+            worker = worker_cls(config, KVConnectorRole.WORKER, setup.workers[rank])
             ours = rd2h_of(worker)
             ours.control_options = FAST_CONTROL
             ours.bind_tp_group(
                 gather.member(rank) if gather is not None else SingleRank(rank=rank, size=tp)
             )
-            cache = kv_caches(indexer)
+            cache = allocate(setup.workers[rank])
             worker.register_kv_caches(cache)
             workers.append(worker)
             caches.append(cache)
