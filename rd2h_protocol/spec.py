@@ -187,7 +187,10 @@ def render_invariants() -> str:
         "(`rd2h_protocol.testing`) and over all interleavings of small configurations by "
         "`python -m rd2h_protocol.explore`.\n\n"
     )
-    out.extend(f"- **{name}** ({kind}): {text}\n" for name, kind, text in INVARIANTS)
+    for inv in INVARIANTS:
+        out.append(f"- **{inv.name}** ({inv.kind}): {inv.statement}\n")
+        out.extend(f"  - assumes: {text}\n" for text in inv.assumptions)
+        out.extend(f"  - does not hold: {text}\n" for text in inv.does_not_hold)
     return "".join(out)
 
 

@@ -368,4 +368,4 @@ def test_every_invariant_of_the_spec_is_checked_by_the_world() -> None:
     """The world raises a violation for each invariant rd2h_protocol.invariants states."""
     source = Path(explore_module.__file__).read_text()
     raised = set(re.findall(r'InvariantViolation\(\s*"(\w+)"', source))
-    assert {name for name, _, _ in INVARIANTS} <= raised
+    assert {inv.name for inv in INVARIANTS} <= raised

@@ -58,8 +58,10 @@ def test_every_machine_gets_a_mermaid_diagram_and_its_full_table() -> None:
 
 def test_invariants_and_api_are_rendered() -> None:
     text = spec.render_invariants()
-    for name, kind, _ in INVARIANTS:
-        assert f"**{name}** ({kind})" in text
+    for inv in INVARIANTS:
+        assert f"**{inv.name}** ({inv.kind})" in text
+        assert inv.assumptions and all(f"assumes: {a}" in text for a in inv.assumptions)
+        assert all(f"does not hold: {d}" in text for d in inv.does_not_hold)
     api = spec.render_api()
     assert "- `decode(frame: " in api
     assert "- `ProducerEndpoint`: " in api
