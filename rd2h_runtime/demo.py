@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import json
 import statistics
 import sys
@@ -112,6 +113,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lease-ms", type=int, default=30_000, help="readiness lease (v2)")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds allowed per wave")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument(
+        "--vllm",
+        action="store_true",
+        help="instead: two tiny real vLLM servers (Prefill, Decode) and rd2h proxy, "
+        "tokens compared with a single-instance run (rd2h demo --vllm --help)",
+    )
     return p
 
 
@@ -153,7 +160,7 @@ def waves(items: Sequence[RequestSpec], size: int) -> Iterator[Sequence[RequestS
 
 
 @contextlib.contextmanager
-def progress_bar(total: int, enabled: bool) -> Iterator[Any]:
+def progress_bar(total: int, enabled: bool, description: str = "moving KV") -> Iterator[Any]:
     """A rich progress bar on stderr (a no-op when disabled or not a terminal)."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -168,7 +175,7 @@ def progress_bar(total: int, enabled: bool) -> Iterator[Any]:
         transient=True,
         disable=not enabled or not console.is_terminal,
     ) as progress:
-        task = progress.add_task("moving KV", total=total)
+        task = progress.add_task(description, total=total)
         yield lambda n=1: progress.advance(task, n)
 
 
@@ -317,7 +324,14 @@ def render(report: DemoReport) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    rest = list(sys.argv[1:] if argv is None else argv)
+    if "--vllm" in rest:
+        rest.remove("--vllm")
+        # Imported by name: rd2h_runtime never imports rd2h_vllm (vLLM) at module level.
+        serving = importlib.import_module("rd2h_vllm.serving")
+        code: int = serving.main(rest)
+        return code
+    args = build_parser().parse_args(rest)
     check_args(args)
     try:
         report = run(args)
