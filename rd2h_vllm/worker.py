@@ -806,9 +806,9 @@ class DecodeSide:
                 main, indexer = self._loaded_blocks(load.spec)
                 self.last_failed[req_id] = (main, indexer)
                 logger.warning(
-                    "request %s: KV load failed; its %d loaded blocks are reported invalid "
-                    "(vLLM recomputes them with kv_load_failure_policy=recompute, else "
-                    "fails the request); none enters the prefix cache",
+                    "request %s: KV load failed; the %d blocks it was to load are reported "
+                    "invalid (vLLM recomputes them with kv_load_failure_policy=recompute, "
+                    "else fails the request); none enters the prefix cache",
                     req_id,
                     len(main) + len(indexer),
                 )

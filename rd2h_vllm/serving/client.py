@@ -33,10 +33,12 @@ RD2H_ABORTS: Final = "vllm:rd2h_aborts_total"  # label direction: sent, received
 
 
 class CompletionError(RuntimeError):
-    """A completion request answered with an error status or a malformed body."""
+    """A completion request answered with an error status or a malformed body (status 0:
+    no answer at all)."""
 
     def __init__(self, status: int, body: str) -> None:
-        super().__init__(f"HTTP {status}: {body[:2000]}")
+        head = f"HTTP {status}" if status else "no answer"
+        super().__init__(f"{head}: {body[:6000]}")
         self.status = status
         self.body = body
 

@@ -21,6 +21,8 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+import httpx
+
 from rd2h_vllm.serving.client import (
     Completion,
     CompletionError,
@@ -129,6 +131,8 @@ def run(args: argparse.Namespace, log_dir: Path, console: Any) -> VllmDemoReport
                 )  # fmt: skip
             except CompletionError as exc:
                 raise CompletionError(exc.status, f"{exc.body}{_problems(cluster)}") from exc
+            except httpx.HTTPError as exc:
+                raise CompletionError(0, f"{exc!r}{_problems(cluster)}") from exc
             report.pd_s = time.monotonic() - start
         report.decode = scrape(d_url)
     finally:
@@ -216,7 +220,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         log_dir.mkdir(parents=True, exist_ok=True)
         try:
             report = run(args, log_dir, console if console.is_terminal else None)
-        except (ServerError, CompletionError, TimeoutError, OSError) as exc:
+        except (ServerError, CompletionError, TimeoutError, OSError, httpx.HTTPError) as exc:
             print(f"rd2h demo --vllm: FAILED: {exc}", file=sys.stderr)
             if args.keep_logs is None:
                 print("(rerun with --keep-logs DIR to keep every log)", file=sys.stderr)
