@@ -29,9 +29,8 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
-from vllm.v1.structured_output import StructuredOutputManager
 from vllm_metaserver_harness import MetaServer
-from vllm_pd_harness import BLOCK, INDEXER_BLOCK, MAIN, kv_setup
+from vllm_pd_harness import BLOCK, INDEXER_BLOCK, MAIN, build_scheduler, kv_setup
 
 from rd2h_protocol.errors import ConfigError, ErrorCode
 from rd2h_protocol.rendezvous import (
@@ -99,14 +98,7 @@ def make_scheduler(make_vllm_config: VllmConfigFactory) -> Iterator[SchedulerFac
         )
         setup = kv_setup(config)  # vLLM's own KV-cache configuration of the model
         assert setup.scheduler.kv_cache_groups[0].layer_names == LAYERS
-        scheduler = Scheduler(
-            config,
-            setup.scheduler,
-            StructuredOutputManager(config),
-            block_size=setup.block_size,
-            hash_block_size=setup.hash_block_size,
-            log_stats=True,
-        )
+        scheduler = build_scheduler(config, setup)
         made.append(scheduler)
         return scheduler
 

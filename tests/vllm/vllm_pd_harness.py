@@ -202,6 +202,18 @@ def kv_setup(
     return KvSetup(workers, scheduler, block_size, hash_block_size)
 
 
+def build_scheduler(vllm_config: VllmConfig, setup: KvSetup) -> Scheduler:
+    """A real vLLM Scheduler on ``setup``'s KV-cache configuration and block sizes."""
+    return Scheduler(
+        vllm_config,
+        setup.scheduler,
+        StructuredOutputManager(vllm_config),
+        block_size=setup.block_size,
+        hash_block_size=setup.hash_block_size,
+        log_stats=True,
+    )
+
+
 def allocate(kv_cache_config: KVCacheConfig) -> dict[str, torch.Tensor]:
     """One worker's KV caches, allocated by vLLM itself (what ``register_kv_caches`` gets)
     in the layout the configuration was resolved with."""
@@ -551,14 +563,7 @@ def build_engine(
         transfer, tp=tp, attach_after=False, max_num_batched_tokens=max_num_batched_tokens
     )
     setup = kv_setup(config, indexer)
-    scheduler = Scheduler(
-        config,
-        setup.scheduler,
-        StructuredOutputManager(config),
-        block_size=setup.block_size,
-        hash_block_size=setup.hash_block_size,
-        log_stats=True,
-    )
+    scheduler = build_scheduler(config, setup)
     workers: list[Any] = []
     caches: list[dict[str, torch.Tensor]] = []
     gather = ThreadGather(tp) if threaded else None
