@@ -695,7 +695,7 @@ class ProducerEndpoint:
             raise LocalProtocolError(f"connection {conn!r} is not a Decode endpoint of ours")
         self.stats.connections_lost += 1
         out: list[Output] = []
-        message = f"Decode endpoint {conn} was declared dead by the heartbeat"
+        message = f"the connection to Decode endpoint {conn} was lost"
         orphans: list[_Pub] = []
         held: list[_Pub] = []
         for pub in list(c.sent.values()):

@@ -55,7 +55,11 @@ HOST = "127.0.0.1"
 
 # Short heartbeats so a killed peer's connection is noticed fast; small queues are plenty.
 FAST_CONTROL = ControlOptions(
-    heartbeat_ivl_s=0.2, heartbeat_timeout_s=1.0, heartbeat_ttl_s=2.0, idle_poll_s=0.5
+    heartbeat_ivl_s=0.2,
+    heartbeat_timeout_s=1.0,
+    heartbeat_ttl_s=2.0,
+    reconnect_grace_s=1.0,
+    idle_poll_s=0.5,
 )
 
 

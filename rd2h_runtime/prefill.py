@@ -107,6 +107,7 @@ class PrefillMetrics:
     frames_sent: int = 0
     send_failures: int = 0  # frames the client refused (queue full or closed)
     disconnects: int = 0  # Decode connections that broke or failed (ZMQ monitor)
+    reconnects: int = 0  # broken connections that came back within the grace
     handler_errors: int = 0  # exceptions caught on the I/O thread
 
 
@@ -125,8 +126,13 @@ class PrefillWorker:
 
     ``declare_dead_on_disconnect``: when the control client reports that an established
     connection to a Decode endpoint broke (the peer closed it, or ZMQ's heartbeat timed
-    out), tell the endpoint (``connection_lost``) so that publications a v1 peer can never
-    answer stop holding their storage once their lease has run out.
+    out) and it does not come back within ``reconnect_grace_s`` of the control options,
+    tell the endpoint (``connection_lost``) so that publications a v1 peer can never answer
+    stop holding their storage once their lease has run out. A connection that comes back
+    in time (a peer stalled past the heartbeat timeout by a loaded machine) carries on: the
+    DEALER keeps its routing id, so replies to frames of the old connection still arrive;
+    a frame lost with the old connection shows as a gap in the readiness sequence (Decode
+    fails what it could have carried) or as an unanswered publication (its lease expires).
     """
 
     def __init__(
@@ -144,6 +150,9 @@ class PrefillWorker:
         self._backend = backend
         self._declare_dead = declare_dead_on_disconnect
         self._own_backend = own_backend
+        self._grace_s = (control_options or ControlOptions()).reconnect_grace_s
+        # Decode endpoints whose connection broke -> when they count as lost (lock held).
+        self._broken: dict[str, float] = {}
         self._on_finished = on_finished
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
@@ -386,7 +395,7 @@ class PrefillWorker:
         if wake:
             self._cond.notify_all()
         with contextlib.suppress(ControlClosed):  # closing: no timer can matter any more
-            self._client.set_timer(self._endpoint.get_timer())
+            self._client.set_timer(self._next_timer())
         return finished if self._on_finished is not None else []
 
     def _send(self, conn: str, payload: bytes) -> None:
@@ -399,18 +408,68 @@ class PrefillWorker:
         else:
             self.metrics.frames_sent += 1
 
-    def _connection_lost(self, conn: str, kind: str, now: float) -> list[RequestFinished]:
-        """A Decode connection broke (peer gone, heartbeat timeout) or never came up.
+    def _next_timer(self) -> float | None:
+        """The endpoint's next deadline or the end of a reconnect grace, the earlier."""
+        due = self._endpoint.get_timer()
+        if self._broken:
+            grace_end = min(self._broken.values())
+            due = grace_end if due is None else min(due, grace_end)
+        return due
+
+    def _connection_event(self, event: ConnectionEvent[str], now: float) -> list[RequestFinished]:
+        """A Decode connection came up, broke, or could not be made. Lock held.
+
+        A broken connection gets ``reconnect_grace_s`` to come back before it counts as
+        lost; a DEALER that cannot even be created counts as lost at once.
+        """
+        conn = event.conn
+        if event.kind == "connected":
+            broke_at = self._broken.pop(conn, None)
+            if broke_at is not None:
+                self.metrics.reconnects += 1
+                log.info(
+                    "Decode endpoint %s: connection back after %.1f s",
+                    conn,
+                    now - (broke_at - self._grace_s),
+                )
+            return []
+        self.metrics.disconnects += 1
+        if not self._declare_dead or conn not in self._endpoint.connections():
+            return []
+        if event.kind == "connect_failed":
+            return self._connection_lost(conn, f"cannot be opened ({event.address})", now)
+        if conn not in self._broken:
+            log.warning(
+                "Decode endpoint %s: connection %s; waiting %.1f s for it to come back",
+                conn,
+                event.kind,
+                self._grace_s,
+            )
+            self._broken[conn] = now + self._grace_s
+            self._client.set_timer(self._next_timer())
+        return []
+
+    def _grace_over(self, now: float) -> list[RequestFinished]:
+        """Declare lost every broken connection whose grace ran out. Lock held."""
+        finished: list[RequestFinished] = []
+        for conn, deadline in list(self._broken.items()):
+            if deadline <= now:
+                del self._broken[conn]
+                reason = f"broken and not back within {self._grace_s:.1f} s"
+                finished += self._connection_lost(conn, reason, now)
+        return finished
+
+    def _connection_lost(self, conn: str, reason: str, now: float) -> list[RequestFinished]:
+        """A Decode connection is gone for good (peer dead or unreachable). Lock held.
 
         The endpoint decides what that means for its publications (requests fail now,
         gates reopen no earlier than their leases); the DEALER is replaced so that frames
         queued for the old connection are never delivered late to a restarted peer, and
-        the next publication starts a fresh handshake from a fresh routing id. Lock held.
+        the next publication starts a fresh handshake from a fresh routing id.
         """
-        self.metrics.disconnects += 1
-        if not self._declare_dead or conn not in self._endpoint.connections():
+        if conn not in self._endpoint.connections():
             return []
-        log.warning("Decode endpoint %s: connection %s, declaring it lost", conn, kind)
+        log.warning("Decode endpoint %s: connection %s, declaring it lost", conn, reason)
         self._client.disconnect(conn)
         return self._execute(self._endpoint.connection_lost(conn, now))
 
@@ -435,9 +494,10 @@ class PrefillWorker:
                 if isinstance(event, ConnFrame):
                     finished = self._execute(self._endpoint.receive(event.conn, event.payload, now))
                 elif isinstance(event, TimerDue):
-                    finished = self._execute(self._endpoint.handle_timer(now))
-                elif isinstance(event, ConnectionEvent) and event.kind != "connected":
-                    finished = self._connection_lost(event.conn, event.kind, now)
+                    finished = self._grace_over(now)
+                    finished += self._execute(self._endpoint.handle_timer(now))
+                elif isinstance(event, ConnectionEvent):
+                    finished = self._connection_event(event, now)
         except Exception as exc:
             # Never let a bug kill the thread that carries every reply; keep it visible.
             with self._lock:

@@ -22,7 +22,11 @@ class ControlOptions:
 
     - ``heartbeat_ivl_s`` / ``heartbeat_timeout_s`` / ``heartbeat_ttl_s``: ZMTP heartbeats
       (ZMQ_HEARTBEAT_IVL / TIMEOUT / TTL) on every control connection, so a peer that vanished
-      without closing its TCP connection is detected and the connection dropped.
+      without closing its TCP connection is detected and the connection dropped. A process
+      that dies closes its connections at once; the heartbeat only has to find a silent host,
+      so its timeout is generous: a peer stalled by a loaded machine is not a dead one.
+    - ``reconnect_grace_s``: how long a binding waits for a broken connection to come back
+      (ZMQ reconnects on its own) before it treats the peer as gone.
     - ``max_frame_bytes``: ZMQ_MAXMSGSIZE; a peer sending a larger frame is disconnected by
       ZMQ before any byte of it reaches Python. ``send()`` refuses larger payloads too.
     - ``sndhwm`` / ``rcvhwm``: ZMQ's own per-connection queues.
@@ -39,8 +43,9 @@ class ControlOptions:
     """
 
     heartbeat_ivl_s: float = 1.0
-    heartbeat_timeout_s: float = 5.0
-    heartbeat_ttl_s: float = 10.0
+    heartbeat_timeout_s: float = 10.0
+    heartbeat_ttl_s: float = 20.0
+    reconnect_grace_s: float = 5.0
     max_frame_bytes: int = MAX_FRAME_BYTES
     sndhwm: int = 10_000
     rcvhwm: int = 10_000
@@ -60,6 +65,7 @@ class ControlOptions:
             "heartbeat_ivl_s": self.heartbeat_ivl_s,
             "heartbeat_timeout_s": self.heartbeat_timeout_s,
             "heartbeat_ttl_s": self.heartbeat_ttl_s,
+            "reconnect_grace_s": self.reconnect_grace_s,
             "max_frame_bytes": self.max_frame_bytes,
             "sndhwm": self.sndhwm,
             "rcvhwm": self.rcvhwm,

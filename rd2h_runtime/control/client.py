@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import secrets
 from collections.abc import Callable
 
 import zmq
@@ -44,9 +45,11 @@ class PrefillControlClient(IOLoop[ClientEvent]):
     """The DEALERs a Prefill TP rank uses to reach Decode endpoints (v1 framing).
 
     Each Decode endpoint ``conn`` ("host:port") gets its own DEALER on first use (``send``
-    or ``connect``): LINGER 0, no routing id set. A message goes out as ONE frame; incoming
-    frames must be ``[b"", payload]`` (empty frames dropped, exactly one left), delivered
-    as :class:`ConnFrame`; anything else is counted in ``stats.malformed_frames``.
+    or ``connect``): LINGER 0, a random routing id of its own. ZMQ reconnects a broken
+    connection by itself and the id stays, so the Decode ROUTER (ZMQ_ROUTER_HANDOVER) routes
+    replies to frames of the old connection over the new one. A message goes out as ONE
+    frame; incoming frames must be ``[b"", payload]`` (empty frames dropped, exactly one
+    left), delivered as :class:`ConnFrame`; anything else is counted in ``stats.malformed_frames``.
 
     Threading: every public method is safe from any thread. All DEALERs live on one I/O
     thread that polls them together and runs ``handler`` (if given; it must be quick).
@@ -213,6 +216,7 @@ class PrefillControlClient(IOLoop[ClientEvent]):
             o = self._options
             sock.setsockopt(zmq.RECONNECT_IVL, max(1, round(o.reconnect_ivl_s * 1000)))
             sock.setsockopt(zmq.RECONNECT_IVL_MAX, max(1, round(o.reconnect_ivl_max_s * 1000)))
+            sock.setsockopt(zmq.ROUTING_ID, b"rd2h-" + secrets.token_hex(8).encode())
             if is_ipv6(c.host):
                 sock.setsockopt(zmq.IPV6, 1)
             mon = self._monitor(sock)

@@ -130,6 +130,9 @@ class DecodeControlServer(IOLoop[ServerEvent]):
         # Unknown routing ids and full peer queues raise instead of silently dropping, so a
         # lost reply is counted and reported.
         router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        # A Prefill DEALER that reconnects (after a heartbeat timeout, say) keeps its routing
+        # id; the new connection takes it over even before the old one's end is noticed.
+        router.setsockopt(zmq.ROUTER_HANDOVER, 1)
         if is_ipv6(self._host):
             router.setsockopt(zmq.IPV6, 1)
         router.bind(tcp_url(self._host, self._port if self._port else "*"))

@@ -103,8 +103,8 @@ def test_v1_framing_one_frame_out_empty_delimiter_in(ctx: Ctx) -> None:
         frames = r.recv_multipart()
         assert len(frames) == 2 and frames[1] == b"\x93\xc4\x07mf_meta"
         identity = frames[0]
-        # No routing id set: ZMQ's generated ids are 5 bytes starting with a zero byte.
-        assert len(identity) == 5 and identity[0] == 0
+        # Our own routing id (ZMQ reserves ids that start with a zero byte for its own).
+        assert identity.startswith(b"rd2h-") and len(identity) == 21
         r.send_multipart([identity, b"", b"ACK"])
         assert next_frame(client) == ConnFrame(conn, b"ACK")
         r.send_multipart([identity, b"", b"", b"two", b""])
@@ -164,6 +164,36 @@ def test_disconnect_drops_queued_frames_and_reconnects_with_a_new_identity(ctx: 
         assert client.connections() == [live]
     finally:
         client.close()
+
+
+def test_a_reconnect_keeps_the_routing_id(ctx: Ctx) -> None:
+    # ZMQ reconnects a broken connection by itself; the Decode side must see the same peer,
+    # so that its replies to frames of the old connection reach this DEALER.
+    r, live = router(ctx)
+    client = start_client()
+    try:
+        client.send(live, b"before")
+        first_id, payload = r.recv_multipart()
+        assert payload == b"before"
+        r.close(linger=0)
+        deadline = time.monotonic() + WAIT_S
+        while True:  # the same port again, as a restarted Decode would bind it
+            try:
+                r = ctx.socket(zmq.ROUTER)
+                r.setsockopt(zmq.LINGER, 0)
+                r.setsockopt(zmq.RCVTIMEO, int(WAIT_S * 1000))
+                r.bind(f"tcp://{live}")
+                break
+            except zmq.ZMQError:
+                r.close(linger=0)
+                assert time.monotonic() < deadline, f"{live} did not become free"
+                time.sleep(0.05)
+        client.send(live, b"after")
+        second_id, payload = r.recv_multipart()
+        assert payload == b"after" and second_id == first_id
+    finally:
+        client.close()
+        r.close(linger=0)
 
 
 def test_connection_events_follow_the_peer(ctx: Ctx) -> None:

@@ -126,7 +126,9 @@ def test_read_is_bounded_by_its_timeout(
     # Warm the connection up so the timed read is all data movement.
     backend.read(source.session, [source.addr], [dest.ctypes.data], [4096], timeout_s=10)
     t0 = time.monotonic()
-    with pytest.raises(TransferError, match="timed out"):
+    # On a loaded machine the millisecond may be gone before the read starts: that is
+    # refused too, with its own message.
+    with pytest.raises(TransferError, match=r"timed out|already elapsed"):
         # 64 MiB in one millisecond would need 64 GB/s: this read cannot finish in time.
         backend.read(
             source.session, [source.addr], [dest.ctypes.data], [source.length], timeout_s=0.001
