@@ -81,6 +81,10 @@ log = logging.getLogger("rd2h_runtime.decode")
 _CLOSE_TIMEOUT_S: Final = 10.0
 
 
+class _PlannerBug(Exception):
+    """The descriptors of a read do not cover exactly the bytes its plan owns."""
+
+
 def destination_regions(layers: Iterable[tuple[str, DestinationLayout]]) -> list[tuple[int, int]]:
     """The memory regions of a set of Decode destinations: ``(addr, length)`` each."""
     regions: list[tuple[int, int]] = []
@@ -462,6 +466,14 @@ class DecodeWorker:
                 desc = self._planner(plan)
             finally:
                 self.metrics.plan_s += time.monotonic() - start
+            planned, described = plan.total_bytes, desc.total_bytes
+            if described != planned:
+                # A planner bug must be loud: never report a read done that moved less (or
+                # more) than its plan owns.
+                raise _PlannerBug(
+                    f"read {plan.read_id}: the plan owns {planned} bytes but its "
+                    f"{len(desc)} descriptors cover {described}"
+                )
             start = time.monotonic()
             timeout_s = self._read_timeout_s
             if item.finish_by is not None:
@@ -480,6 +492,10 @@ class DecodeWorker:
         except TransferError as exc:
             self.metrics.read_failures += 1
             error: TransferError | None = exc
+        except _PlannerBug as exc:
+            self.metrics.read_failures += 1
+            log.error("%s", exc)
+            error = TransferError(str(exc))
         except ProtocolError as exc:
             # A plan the planner refuses (addresses past 64 bits): fail the read, not the
             # thread; retrying it cannot help.
@@ -491,7 +507,7 @@ class DecodeWorker:
             error = TransferError(f"read {plan.read_id} raised {exc!r}")
         else:
             error = None
-            nbytes, ndesc = desc.total_bytes, len(desc)
+            nbytes, ndesc = described, len(desc)
             self.metrics.reads += 1
             self.metrics.read_bytes += nbytes
             self.metrics.descriptors += ndesc

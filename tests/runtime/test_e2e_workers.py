@@ -4,6 +4,7 @@ retried, a planner or engine that raises without killing a thread, and clean shu
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Iterator
@@ -174,6 +175,30 @@ def test_a_planner_or_engine_that_raises_fails_the_read_not_the_thread() -> None
         assert pair.decode.healthy and pair.decode.errors == []
         assert pair.decode.metrics.read_failures == 2
         assert pair.decode.is_idle() and pair.prefill.is_idle()
+    finally:
+        pair.close()
+
+
+def test_a_plan_whose_descriptors_miss_bytes_fails_instead_of_succeeding_empty() -> None:
+    # A planner bug that drops descriptors (all of them, or one) must fail the read loudly:
+    # a read that moved less than its plan owns is never reported done.
+    def planner(plan: ReadPlan) -> Descriptors:
+        full = build_descriptors(plan)
+        ext = plan.requests[0].ext_req_id
+        keep = {"none-moved": 0, "one-short": len(full) - 1}.get(ext, len(full))
+        return dataclasses.replace(
+            full,
+            remote_addrs=full.remote_addrs[:keep],
+            local_addrs=full.local_addrs[:keep],
+            lengths=full.lengths[:keep],
+        )
+
+    pair = Pair(planner=planner)
+    try:
+        assert pair.run("none-moved", 150) == (False, ErrorCode.TRANSFER_FAILED)
+        assert pair.run("one-short", 150) == (False, ErrorCode.TRANSFER_FAILED)
+        assert pair.run("after", 150) == (True, None)
+        assert pair.decode.metrics.read_failures >= 2 and pair.decode.healthy
     finally:
         pair.close()
 
