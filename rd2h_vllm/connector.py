@@ -24,16 +24,29 @@ without one Decode reads into vLLM's own KV cache,
 :meth:`~SfaRemoteD2HConnector.bind_tp_group` (a TP group other than vLLM's), and
 :meth:`~SfaRemoteD2HConnector.create_backend` (override to supply a transfer backend).
 
-For a layerwise store connector (see :mod:`rd2h_vllm.multi`) the Prefill side exposes
+For a layerwise store connector the Prefill side exposes
 :meth:`~SfaRemoteD2HConnector.wait_for_layer_send`, the slot-reuse waiter, and
 :meth:`~SfaRemoteD2HConnector.on_kv_cache_written`, vllm-ascend's earliest "this layer's
-KV is in the cache" hook (same path as ``save_kv_layer``; a layer publishes once).
+KV is in the cache" hook (same path as ``save_kv_layer``; a layer publishes once). Two
+multi-connectors compose them:
+
+* :class:`rd2h_vllm.multi.Rd2hMultiConnector` (plain vLLM), and
+* vllm-ascend's ``AscendMultiConnector`` (what ``"kv_connector": "MultiConnector"`` is on
+  Ascend). It makes a child its layerwise buffer-reuse PROVIDER when the child has a
+  true ``is_producer``, a non-None ``connector_worker``, ``supports_layerwise_buffer_reuse``
+  and a callable ``wait_for_layer_reuse(layer_idx)``; it runs providers first in
+  ``save_kv_layer`` and ``on_kv_cache_written``, hands every child that has
+  ``set_external_slot_release_waiter`` a waiter calling ``wait_for_layer_reuse`` with the
+  layer NUMBER (the N of ``layers.N``), and once a store accepted that waiter it skips the
+  providers' ``wait_for_layer_load`` (the store waits before it writes a layer's buffer),
+  else it runs them first there too. The Prefill worker side meets that rule; RD2H itself
+  takes no waiter, so it never waits on its own gate through a sibling.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -90,6 +103,9 @@ class SfaRemoteD2HConnector(Rd2hMetricsMixin, KVConnectorBase_V1, SupportsHMA):
     _cache_hit_source = CacheHitSource.P2P
     #: Control-socket tuning for both roles (None: the runtime's defaults).
     control_options: ControlOptions | None = None
+    #: vllm-ascend's AscendMultiConnector: Prefill's storage gates protect layer buffers a
+    #: layerwise store reuses (see the module docstring for the whole selection rule).
+    supports_layerwise_buffer_reuse: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -145,6 +161,14 @@ class SfaRemoteD2HConnector(Rd2hMetricsMixin, KVConnectorBase_V1, SupportsHMA):
     def is_producer(self) -> bool:
         """Prefill (kv_producer); vllm-ascend's multi-connector reads this attribute."""
         return self.config.is_producer
+
+    @property
+    def connector_worker(self) -> SfaRemoteD2HConnector | None:
+        """vllm-ascend's mark of a worker-side connector, which AscendMultiConnector needs
+        (with ``is_producer``) to pick this one as its buffer-reuse provider when it is
+        built, before ``register_kv_caches``: this connector itself on the worker side
+        (whose halves that call builds), None on the scheduler side."""
+        return self if self.role == KVConnectorRole.WORKER else None
 
     def bind_tp_group(self, group: TpGroup) -> None:
         """Use ``group`` for this worker's TP rank and the Decode completion gather."""
@@ -288,18 +312,40 @@ class SfaRemoteD2HConnector(Rd2hMetricsMixin, KVConnectorBase_V1, SupportsHMA):
         destinations were registered at ``bind_connector_metadata``)."""
         return None
 
+    def _registered_prefill(self, hook: str) -> PrefillSide | None:
+        """Prefill's worker half (None on Decode); ``hook`` before ``register_kv_caches``
+        raises at once (else Decode would wait its whole load timeout for nothing)."""
+        if self.prefill is None and self.decode is None:
+            raise ConfigError(
+                f"SfaRemoteD2HConnector.{hook} was called before register_kv_caches, so RD2H "
+                "holds no KV cache to publish or protect: call register_kv_caches(kv_caches) "
+                "on this worker-side connector first (a multi-connector must forward it to "
+                "every child)"
+            )
+        return self.prefill
+
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Prefill: the slot-reuse wait before the layer's KV is written."""
-        if self.prefill is not None:
-            self.prefill.wait_writable(layer_name)
+        """Prefill: the slot-reuse wait before the layer's KV is written (a layer without
+        a KV cache of its own has nothing to wait for)."""
+        prefill = self._registered_prefill("wait_for_layer_load")
+        if prefill is not None:
+            idx = prefill.layer_index(layer_name)
+            if idx is not None:
+                prefill.wait_writable(idx)
 
     def wait_for_layer_send(self, layer: str | int) -> None:
-        """Prefill: block until the storage of ``layer`` (name or wire index) may be
-        overwritten; the waiter a layerwise store connector calls before reusing a buffer."""
-        if self.prefill is None:
-            return
-        name = self.prefill.layer_names[layer] if isinstance(layer, int) else layer
-        self.prefill.wait_writable(name)
+        """Prefill: block until the storage of ``layer`` may be overwritten; the waiter a
+        layerwise store calls before it reuses a buffer. ``layer`` is a layer name or a
+        layer NUMBER (the N of ``layers.N``); one this Prefill holds no KV cache of raises
+        :class:`~rd2h_protocol.errors.ConfigError`. Decode has nothing to wait for."""
+        prefill = self._registered_prefill("wait_for_layer_send")
+        if prefill is not None:
+            prefill.wait_writable(prefill.storage_layer(layer))
+
+    def wait_for_layer_reuse(self, layer_idx: int) -> None:
+        """vllm-ascend's name for the waiter (AscendMultiConnector calls it with the layer
+        number): :meth:`wait_for_layer_send`."""
+        self.wait_for_layer_send(layer_idx)
 
     def save_kv_layer(
         self,
@@ -309,13 +355,15 @@ class SfaRemoteD2HConnector(Rd2hMetricsMixin, KVConnectorBase_V1, SupportsHMA):
         **kwargs: Any,
     ) -> None:
         """Prefill: the layer's KV is in the cache: publish it."""
-        if self.prefill is not None:
-            self.prefill.layer_written(layer_name)
+        prefill = self._registered_prefill("save_kv_layer")
+        if prefill is not None:
+            prefill.layer_written(layer_name)
 
     def on_kv_cache_written(self, layer_name: str = "") -> None:
         """vllm-ascend's hook after a layer's cache write: same as ``save_kv_layer``."""
-        if self.prefill is not None and layer_name:
-            self.prefill.layer_written(layer_name)
+        prefill = self._registered_prefill("on_kv_cache_written")
+        if prefill is not None and layer_name:
+            prefill.layer_written(layer_name)
 
     def wait_for_save(self) -> None:
         """Prefill: the step's forward pass is over."""

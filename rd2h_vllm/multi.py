@@ -14,7 +14,8 @@ buffer from being overwritten while a Decode still reads it (reference-behaviour
    :meth:`Rd2hMultiConnector.wait_for_layer_send` (handed over through the store's
    ``set_slot_reuse_waiter(waiter)``, or vllm-ascend's name for it,
    ``set_external_slot_release_waiter(waiter)``; a setter returning False declines).
-   The waiter takes a layer name or the layer's index.
+   The waiter takes a layer name or the layer's NUMBER (the N of ``layers.N``, what
+   vllm-ascend's stores pass); a layer RD2H holds no KV cache of raises.
 
 On the scheduler side, a connector that sets ``requires_full_blocks_on_update_after_alloc``
 (RD2H on Prefill) receives the request's full blocks and external token count in
@@ -26,7 +27,10 @@ A "slot provider" is any child with a callable ``wait_for_layer_send`` (RD2H); p
 keep their configured order among themselves, and so do the other children.
 
 Select it with ``"kv_connector": "Rd2hMultiConnector", "kv_connector_module_path":
-"rd2h_vllm.multi"`` and the usual ``kv_connector_extra_config.connectors`` list.
+"rd2h_vllm.multi"`` and the usual ``kv_connector_extra_config.connectors`` list. This is
+for plain vLLM; on Ascend vllm-ascend's own ``AscendMultiConnector`` (``"MultiConnector"``
+there) applies the same two rules to RD2H as its buffer-reuse provider (see
+:mod:`rd2h_vllm.connector`).
 """
 
 from __future__ import annotations

@@ -68,7 +68,7 @@ from rd2h_protocol.errors import (
 )
 from rd2h_protocol.layout import ComponentDest, LayerLayout
 from rd2h_protocol.producer import DecodeTarget, ProducerConfig, RequestFinished
-from rd2h_protocol.topology import chunk_block_range, layer_number
+from rd2h_protocol.topology import chunk_block_range, layer_number, wire_layer_indices
 from rd2h_runtime.control import ControlOptions
 from rd2h_runtime.decode import DecodeWorker, Outcome, ReadRecord
 from rd2h_runtime.prefill import PrefillWorker
@@ -364,10 +364,10 @@ class PrefillSide:
         self._events = events
         self._layers = [layer.name for layer in layers]
         self._index = {name: i for i, name in enumerate(self._layers)}
-        # An indexer cache belongs to the main layer with the same ``layers.N``.
-        self._by_number = {
-            n: i for i, name in enumerate(self._layers) if (n := layer_number(name)) is not None
-        }
+        # Layer numbers (the N of ``layers.N``, else the position: what a readiness
+        # carries), by which a layerwise store names a layer and an indexer cache finds
+        # its main layer.
+        self._by_number = {n: i for i, n in enumerate(wire_layer_indices(self._layers))}
         self.stats = Rd2hKVConnectorStats()
         self._counters = CounterDelta()
         self._lock = threading.Lock()
@@ -422,6 +422,24 @@ class PrefillSide:
         if idx is None and "indexer" in layer_name:
             number = layer_number(layer_name)
             idx = self._by_number.get(number) if number is not None else None
+        return idx
+
+    def storage_layer(self, layer: str | int) -> int:
+        """The position (in wire order) of the main layer whose storage ``layer`` names: a
+        main or indexer layer name, or a layer NUMBER (the N of ``layers.N``, as
+        :func:`~rd2h_protocol.topology.wire_layer_index` gives it), never a position.
+
+        Raises :class:`~rd2h_protocol.errors.ConfigError` for a layer this Prefill holds no
+        KV cache of: a store that names another model's layers must not pass unguarded.
+        """
+        idx = self._by_number.get(layer) if isinstance(layer, int) else self.layer_index(layer)
+        if idx is None:
+            numbers = sorted(self._by_number)
+            raise ConfigError(
+                f"layer {layer!r} has no KV cache on this Prefill: expected a layer name "
+                f"such as {self._layers[0]!r} or a layer number in {numbers}; the store and "
+                "RD2H must be configured for the same model"
+            )
         return idx
 
     # -- the step ----------------------------------------------------------------------------
@@ -508,11 +526,11 @@ class PrefillSide:
         state.final_scheduled = final
         self._step_active = True
 
-    def wait_writable(self, layer_name: str) -> None:
-        """Block until the storage ``layer_name`` writes is no longer read by Decode."""
-        idx = self.layer_index(layer_name)
-        if idx is None:
-            return
+    def wait_writable(self, idx: int) -> None:
+        """Block until the storage main layer ``idx`` (a position in wire order) writes is
+        no longer read by Decode; safe from any thread (a store's transfer thread calls
+        it too)."""
+        layer_name = self._layers[idx]
         # Publications still queued have not closed their gates yet: let them first.
         if not self._publisher.drain(self._gate_timeout_s):
             raise TransferError(f"{layer_name}: earlier layers were not published in time")

@@ -125,6 +125,30 @@ def test_blocks_that_are_not_stripes_are_refused_at_registration(
     assert connector.prefill is None
 
 
+@pytest.mark.parametrize("role", ["kv_producer", "kv_consumer"])
+def test_layer_hooks_before_registration_fail_at_once(
+    make_vllm_config: VllmConfigFactory, role: str
+) -> None:
+    """A forward pass before register_kv_caches (an integration that never forwarded it)
+    fails on its first layer, saying what to do, instead of Decode timing out later."""
+    connector = build(make_vllm_config, transfer(role))
+    cache = own_caches(connector)[MAIN[0]]
+    hooks = [
+        ("save_kv_layer", lambda: connector.save_kv_layer(MAIN[0], cache, None)),
+        ("wait_for_layer_load", lambda: connector.wait_for_layer_load(MAIN[0])),
+        ("on_kv_cache_written", lambda: connector.on_kv_cache_written(MAIN[0])),
+        ("wait_for_layer_send", lambda: connector.wait_for_layer_send(0)),
+        ("wait_for_layer_send", lambda: connector.wait_for_layer_reuse(0)),
+    ]
+    for name, call in hooks:
+        with pytest.raises(
+            ConfigError,
+            match=f"{name} was called before register_kv_caches.*call register_kv_caches",
+        ):
+            call()
+    assert connector.prefill is None and connector.decode is None
+
+
 def test_decode_with_sparse_offload_needs_a_destination_provider(
     make_vllm_config: VllmConfigFactory,
 ) -> None:

@@ -8,7 +8,7 @@ that shows the checks can fail.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -26,6 +26,7 @@ from vllm_pd_harness import (
     make_request,
     run_until,
     status,
+    wrap_in,
 )
 
 from rd2h_protocol.rendezvous import Rendezvous, decode_rendezvous, remote_prefill_params
@@ -43,23 +44,6 @@ PLAIN = {
     "kv_connector_module_path": "rd2h_fake_store",
     "kv_role": "kv_producer",
 }
-
-
-def wrap_in(
-    cls: type[MultiConnector], *children: dict[str, Any], **store_extra: Any
-) -> Callable[[dict[str, Any]], dict[str, Any]]:
-    """A ``build_engine`` wrap: the multi-connector ``cls`` holding ``children`` then RD2H."""
-
-    def wrap(rd2h: dict[str, Any]) -> dict[str, Any]:
-        entries = [{**c, "kv_connector_extra_config": dict(store_extra)} for c in children]
-        return {
-            "kv_connector": cls.__name__,
-            "kv_connector_module_path": cls.__module__,
-            "kv_role": rd2h["kv_role"],
-            "kv_connector_extra_config": {"connectors": [*entries, rd2h]},
-        }
-
-    return wrap
 
 
 @pytest.fixture(autouse=True)

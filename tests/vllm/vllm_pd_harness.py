@@ -549,11 +549,14 @@ def build_engine(
     backend: str = "nixl",
     wrap: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
     threaded: bool = False,
+    map_caches: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
 ) -> Engine:
     """A Prefill (``kv_producer``) or Decode (``kv_consumer``) engine with ``tp`` workers.
 
     ``wrap`` turns RD2H's kv-transfer entry into the engine's whole kv-transfer config
     (a multi-connector holding it); ``worker_cls`` then builds that connector's workers.
+    ``map_caches`` turns each worker's vLLM allocation into the caches it registers and
+    writes (e.g. layers sharing one buffer, as a layerwise store's reuse ring does).
     """
     transfer = rd2h_entry(role, kv_port, backend, extra)
     if wrap is not None:
@@ -576,6 +579,8 @@ def build_engine(
                 gather.member(rank) if gather is not None else SingleRank(rank=rank, size=tp)
             )
             cache = allocate(setup.workers[rank])
+            if map_caches is not None:
+                cache = map_caches(cache)
             worker.register_kv_caches(cache)
             workers.append(worker)
             caches.append(cache)
@@ -611,6 +616,24 @@ def rd2h_entry(
             **(extra or {}),
         },
     }
+
+
+def wrap_in(
+    cls: type[Any], *children: dict[str, Any], **store_extra: Any
+) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    """A ``build_engine`` wrap: the multi-connector ``cls`` holding ``children`` (each with
+    ``store_extra`` as its ``kv_connector_extra_config``) then RD2H."""
+
+    def wrap(rd2h: dict[str, Any]) -> dict[str, Any]:
+        entries = [{**c, "kv_connector_extra_config": dict(store_extra)} for c in children]
+        return {
+            "kv_connector": cls.__name__,
+            "kv_connector_module_path": cls.__module__,
+            "kv_role": rd2h["kv_role"],
+            "kv_connector_extra_config": {"connectors": [*entries, rd2h]},
+        }
+
+    return wrap
 
 
 def run_until(engines: Sequence[Engine], done: Callable[[], bool], timeout_s: float = 20.0) -> int:
