@@ -32,11 +32,15 @@ reports its remaining prompt tokens as matched asynchronously; after allocation 
 destination block ids are recorded (they never leave Decode), its rendezvous is queued
 and ``do_remote_prefill`` is cleared. :meth:`SchedulerSide.build_connector_meta` hands the
 worker the new destinations (:class:`LoadSpec`) and only THEN posts the rendezvous, so
-the worker knows the destinations no later than Prefill can learn of the request. A
-rendezvous that cannot be delivered becomes a :class:`LoadFailure` in a later step's
-metadata: the worker fails the request, reports its blocks as load errors and lists it
-in ``finished_recving`` once no read of it is in flight. ``request_finished`` delays the
-free of a request whose load is still in progress (required-departures.md item 5).
+the worker knows the destinations no later than Prefill can learn of the request. The
+post is retried only as :mod:`rd2h_vllm.metaserver` allows: a metaserver that declares
+itself idempotent in ``kv_transfer_params`` (``rd2h proxy``) may get a repeat, any other
+(the existing example proxy) gets a delivered post once. A rendezvous that cannot be
+delivered becomes a :class:`LoadFailure` in a later step's metadata: the worker fails the
+request, reports its blocks as load errors and lists it in ``finished_recving`` once no
+read of it is in flight. ``request_finished`` cancels the request's post if it is still
+pending (an example proxy answers only after its Prefill dispatch) and delays the free of
+a request whose load is still in progress (required-departures.md item 5).
 
 Prefill (kv_producer): a request whose ``kv_transfer_params`` say ``do_remote_decode``
 picks its own rendezvous (:func:`~rd2h_protocol.rendezvous.params_for_child`, so the
@@ -76,6 +80,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 from rd2h_protocol.errors import ConfigError, ErrorCode, ProtocolError
 from rd2h_protocol.rendezvous import METASERVER_KEY, Rendezvous, params_for_child
 from rd2h_protocol.topology import external_request_id
+from rd2h_runtime.proxy.payloads import METASERVER_IDEMPOTENT_KEY
 from rd2h_vllm.config import Rd2hConfig
 from rd2h_vllm.metaserver import MetaserverError, PostResult
 from rd2h_vllm.metrics import Rd2hKVConnectorStats
@@ -205,11 +210,42 @@ class CacheGroups:
 # -- the scheduler side ---------------------------------------------------------------------
 
 
+def _post_failure(
+    req_id: str, ext_id: str, future: concurrent.futures.Future[PostResult]
+) -> LoadFailure | None:
+    """The load failure a finished rendezvous post means, if any."""
+    if future.cancelled():
+        return LoadFailure(
+            req_id=req_id,
+            ext_id=ext_id,
+            code=int(ErrorCode.ABORTED),
+            message="rendezvous post cancelled (connector shutting down)",
+        )
+    exc = future.exception()
+    if exc is None:
+        return None
+    code = exc.code if isinstance(exc, MetaserverError) else ErrorCode.UNKNOWN
+    return LoadFailure(req_id=req_id, ext_id=ext_id, code=int(code), message=str(exc))
+
+
 class Poster(Protocol):
     """What posts a rendezvous without blocking (``RendezvousPoster`` in production)."""
 
-    def post(self, url: str, rendezvous: Rendezvous) -> concurrent.futures.Future[PostResult]:
-        """Start posting; the future raises ``MetaserverError`` on failure."""
+    def post(
+        self, url: str, rendezvous: Rendezvous, *, idempotent: bool = False
+    ) -> concurrent.futures.Future[PostResult]:
+        """Start posting; the future raises ``MetaserverError`` on failure and cancelling
+        it cancels the post."""
+
+
+@dataclass(frozen=True, slots=True)
+class _QueuedPost:
+    """A rendezvous waiting for the end of the step to be posted."""
+
+    req_id: str
+    url: str
+    rendezvous: Rendezvous
+    idempotent: bool
 
 
 @dataclass
@@ -256,9 +292,12 @@ class SchedulerSide:
         # Decode
         self._loading: dict[str, LoadSpec] = {}
         self._new_loads: list[LoadSpec] = []
-        self._to_post: list[tuple[str, str, Rendezvous]] = []  # (req_id, url, rendezvous)
-        self._failures_lock = threading.Lock()
-        self._failures: list[LoadFailure] = []  # filled from the poster's thread
+        self._to_post: list[_QueuedPost] = []
+        # Shared with the poster's thread (its done callbacks): posts still pending by
+        # req_id, and the failures they ended with.
+        self._posts_lock = threading.Lock()
+        self._posting: dict[str, concurrent.futures.Future[PostResult]] = {}
+        self._failures: list[LoadFailure] = []
         # Prefill
         self._sending: dict[str, _SendState] = {}
 
@@ -268,13 +307,20 @@ class SchedulerSide:
         """Decode requests whose load is not yet reported finished by every worker."""
         return dict(self._loading)
 
+    def posting(self) -> set[str]:
+        """Decode requests whose rendezvous post has not ended yet."""
+        with self._posts_lock:
+            return set(self._posting)
+
     def sending(self) -> dict[str, bool]:
         """Prefill requests tracked, with whether their blocks are held after finishing."""
         return {req_id: state.finished for req_id, state in self._sending.items()}
 
     def is_idle(self) -> bool:
         """No per-request state left (every map has drained)."""
-        return not (self._loading or self._new_loads or self._to_post or self._sending)
+        return not (
+            self._loading or self._new_loads or self._to_post or self.posting() or self._sending
+        )
 
     # -- vLLM hooks ----------------------------------------------------------------------
 
@@ -334,7 +380,14 @@ class SchedulerSide:
         )
         # Posted even when nothing is to be loaded (a full local hit): the proxy waits for
         # every child's rendezvous before it dispatches the prompt to Prefill.
-        self._to_post.append((req_id, str(params[METASERVER_KEY]), rendezvous))
+        self._to_post.append(
+            _QueuedPost(
+                req_id=req_id,
+                url=str(params[METASERVER_KEY]),
+                rendezvous=rendezvous,
+                idempotent=params.get(METASERVER_IDEMPOTENT_KEY) is True,
+            )
+        )
         if num_external_tokens <= 0:
             return
         main, indexer = self.groups.split(blocks.get_block_ids())
@@ -382,7 +435,7 @@ class SchedulerSide:
         meta = Rd2hConnectorMetadata()
         if self.config.is_consumer:
             meta.loads, self._new_loads = self._new_loads, []
-            with self._failures_lock:
+            with self._posts_lock:
                 failures, self._failures = self._failures, []
             meta.load_failures = [f for f in failures if f.req_id in self._loading]
             for failure in meta.load_failures:
@@ -395,32 +448,33 @@ class SchedulerSide:
     def _post_queued(self) -> None:
         assert self._poster is not None
         queued, self._to_post = self._to_post, []
-        for req_id, url, rendezvous in queued:
-            future = self._poster.post(url, rendezvous)
-            future.add_done_callback(self._on_posted(req_id, rendezvous.request_id))
+        for post in queued:
+            future = self._poster.post(post.url, post.rendezvous, idempotent=post.idempotent)
+            with self._posts_lock:
+                self._posting[post.req_id] = future
+            # Runs at once, on this thread, if the post is already over.
+            future.add_done_callback(self._on_posted(post.req_id, post.rendezvous.request_id))
+
+    def _cancel_post(self, req_id: str) -> None:
+        """Forget a finished request's rendezvous: unposted, or its post still pending."""
+        self._to_post = [post for post in self._to_post if post.req_id != req_id]
+        with self._posts_lock:
+            future = self._posting.pop(req_id, None)
+        if future is not None:
+            future.cancel()
 
     def _on_posted(
         self, req_id: str, ext_id: str
     ) -> Callable[[concurrent.futures.Future[PostResult]], None]:
         def done(future: concurrent.futures.Future[PostResult]) -> None:
-            # Runs on the poster's thread: only hand the outcome over.
-            if future.cancelled():
-                failure = LoadFailure(
-                    req_id=req_id,
-                    ext_id=ext_id,
-                    code=int(ErrorCode.ABORTED),
-                    message="rendezvous post cancelled (connector shutting down)",
-                )
-            else:
-                exc = future.exception()
-                if exc is None:
-                    return
-                code = exc.code if isinstance(exc, MetaserverError) else ErrorCode.UNKNOWN
-                failure = LoadFailure(
-                    req_id=req_id, ext_id=ext_id, code=int(code), message=str(exc)
-                )
-            with self._failures_lock:
-                self._failures.append(failure)
+            # Usually runs on the poster's thread: only hand the outcome over.
+            failure = _post_failure(req_id, ext_id, future)
+            with self._posts_lock:
+                if self._posting.get(req_id) is not future:
+                    return  # cancelled by request_finished: the request is over
+                del self._posting[req_id]
+                if failure is not None:
+                    self._failures.append(failure)
 
         return done
 
@@ -471,6 +525,7 @@ class SchedulerSide:
         """Whether vLLM must keep the request's blocks (see the module docstring)."""
         req_id = request.request_id
         if self.config.is_consumer:
+            self._cancel_post(req_id)
             # vLLM keeps a request aborted in WAITING_FOR_REMOTE_KVS on its own; saying so
             # here as well makes the rule hold in every state: no free while a read may
             # still write. Either way the release is the workers' finished_recving.

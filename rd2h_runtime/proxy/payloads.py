@@ -25,6 +25,12 @@ CHAT_COMPLETIONS: Final = "/v1/chat/completions"
 MAX_PROMPTS: Final = 4096
 #: X-Request-Id values become part of every child id; keep them short and printable.
 MAX_REQUEST_ID_LEN: Final = 256
+#: The ``kv_transfer_params`` key by which this proxy tells Decode that its metaserver
+#: answers a rendezvous as soon as it is recorded and treats an identical repeat as a
+#: duplicate (never a second dispatch), so Decode may safely post it again when an answer
+#: is lost. A metaserver that does not set it (the existing example proxy, which answers
+#: only after its Prefill dispatch) gets each delivered POST exactly once.
+METASERVER_IDEMPOTENT_KEY: Final = "metaserver_idempotent"
 
 
 class BadRequest(Exception):
@@ -88,7 +94,8 @@ def child_ids(api: str, parent_id: str, body: Mapping[str, Any]) -> tuple[str, .
 
 def decode_body(body: Mapping[str, Any], metaserver_url: str) -> dict[str, Any]:
     """The client request as Decode gets it: remote prefill, rendezvous posted to us."""
-    return {**body, "kv_transfer_params": remote_prefill_params(metaserver_url)}
+    params = {**remote_prefill_params(metaserver_url), METASERVER_IDEMPOTENT_KEY: True}
+    return {**body, "kv_transfer_params": params}
 
 
 def prefill_body(

@@ -5,13 +5,15 @@ Flow of one client request (the *parent*)
 1. ``POST /v1/completions`` or ``/v1/chat/completions`` arrives. Its X-Request-Id (or a
    fresh one) names the parent; the child ids Decode will use are derived from it
    (:mod:`rd2h_runtime.proxy.payloads`). The request goes to the least-loaded Decode node
-   with ``kv_transfer_params`` asking for a remote prefill and naming our metaserver URL.
+   with ``kv_transfer_params`` asking for a remote prefill, naming our metaserver URL and
+   declaring it idempotent (:data:`~rd2h_runtime.proxy.payloads.METASERVER_IDEMPOTENT_KEY`).
    Decode's answer (status, body, or an SSE stream chunk by chunk) goes back to the client.
 2. Decode posts one rendezvous per child to ``POST /v1/metaserver``. The proxy records it
-   and answers at once. The post that completes the set starts ONE background dispatch of
-   the original request to the least-loaded Prefill node (one token, no streaming, the
-   rendezvous as kv_transfer_params). Dispatches are bounded in number (a semaphore) and in
-   time (a timeout that includes waiting for a slot).
+   and answers at once; an identical repeat (Decode re-posts when an answer was lost) is
+   answered ``duplicate`` and changes nothing. The post that completes the set starts ONE
+   background dispatch of the original request to the least-loaded Prefill node (one
+   token, no streaming, the rendezvous as kv_transfer_params). Dispatches are bounded in
+   number (a semaphore) and in time (a timeout that includes waiting for a slot).
 3. If the dispatch fails, or the rendezvous does not arrive in time, the parent fails: if
    Decode has not sent any body bytes yet, the proxy drops the Decode exchange (vLLM then
    aborts the request and frees its blocks) and answers 502/504; otherwise the failure is

@@ -10,6 +10,7 @@ from proxy_harness import HOST, Cluster, async_test, closed_port, cluster
 
 from rd2h_protocol.rendezvous import BATCH_PARAMS_KEY, Rendezvous, encode_rendezvous
 from rd2h_runtime.proxy.config import Backend
+from rd2h_runtime.proxy.payloads import METASERVER_IDEMPOTENT_KEY
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
@@ -50,6 +51,7 @@ async def test_single_prompt_goes_to_decode_then_prefill_once() -> None:
             "do_remote_decode": False,
             "do_remote_prefill": True,
             "metaserver": c.proxy_url + "/v1/metaserver",
+            METASERVER_IDEMPOTENT_KEY: True,
         }
         (pcall,) = c.prefill_calls
         assert pcall.request_id == "abc"  # Prefill derives the same child ids

@@ -16,6 +16,7 @@ from rd2h_runtime.proxy.payloads import (
     CHAT_COMPLETIONS,
     COMPLETIONS,
     MAX_PROMPTS,
+    METASERVER_IDEMPOTENT_KEY,
     BadRequest,
     check_request_id,
     child_ids,
@@ -90,6 +91,7 @@ def test_decode_body_keeps_the_request_and_asks_for_remote_prefill() -> None:
     out = decode_body(original, "http://h:1/v1/metaserver")
     assert out["stream"] is True and out["prompt"] == "x"
     assert out["kv_transfer_params"]["metaserver"] == "http://h:1/v1/metaserver"
+    assert out["kv_transfer_params"][METASERVER_IDEMPOTENT_KEY] is True
     assert "junk" not in out["kv_transfer_params"]
     assert original["kv_transfer_params"] == {"junk": 1}  # the original is untouched
 

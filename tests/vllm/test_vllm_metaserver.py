@@ -1,4 +1,9 @@
-"""rd2h_vllm.metaserver against a real aiohttp server on 127.0.0.1 (port chosen at run time)."""
+"""rd2h_vllm.metaserver against a real aiohttp server on 127.0.0.1 (port chosen at run time).
+
+Retries of a POST the server received are tested with ``idempotent=True`` (a metaserver
+that recognises a repeat, as ``rd2h proxy`` does); test_vllm_metaserver_example_proxy.py
+covers the other kind.
+"""
 
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ from rd2h_vllm.metaserver import (
     MetaserverClient,
     MetaserverRejected,
     MetaserverUnavailable,
+    PostResult,
     RendezvousPoster,
     backoff_delay,
 )
@@ -45,10 +51,12 @@ def closed_port() -> int:
         return int(sock.getsockname()[1])
 
 
-async def post_once(options: MetaserverOptions, url: str, rv: Rendezvous) -> object:
+async def post_once(
+    options: MetaserverOptions, url: str, rv: Rendezvous, *, idempotent: bool = False
+) -> PostResult:
     client = MetaserverClient(options)
     try:
-        return await client.post(url, rv)
+        return await client.post(url, rv, idempotent=idempotent)
     finally:
         await client.aclose()
 
@@ -56,16 +64,16 @@ async def post_once(options: MetaserverOptions, url: str, rv: Rendezvous) -> obj
 def test_delivered_first_try_and_body_is_the_rendezvous(server: MetaServer) -> None:
     rv = rendezvous()
     result = asyncio.run(post_once(FAST, server.url, rv))
-    assert result.status == 200 and result.attempts == 1  # type: ignore[attr-defined]
-    assert result.legacy_error is False  # type: ignore[attr-defined]
+    assert result.status == 200 and result.attempts == 1
+    assert result.legacy_error is False
     assert len(server.script.bodies) == 1
     assert decode_rendezvous(server.script.bodies[0]) == rv
 
 
 def test_5xx_is_retried_with_backoff_until_delivered(server: MetaServer) -> None:
     server.script.replies = [503, 502, 500, 200]
-    result = asyncio.run(post_once(FAST, server.url, rendezvous()))
-    assert result.status == 200 and result.attempts == 4  # type: ignore[attr-defined]
+    result = asyncio.run(post_once(FAST, server.url, rendezvous(), idempotent=True))
+    assert result.status == 200 and result.attempts == 4
     gaps = [b - a for a, b in zip(server.script.times, server.script.times[1:], strict=False)]
     # Waits of 0.02, 0.04, then capped at 0.05 s between attempts (small slack for timers).
     for gap, retry in zip(gaps, (1, 2, 3), strict=True):
@@ -90,10 +98,20 @@ def test_persistent_5xx_gives_up_after_max_attempts(server: MetaServer) -> None:
         timeout_s=2.0, max_attempts=3, backoff_s=0.01, backoff_max_s=0.01, deadline_s=10.0
     )
     with pytest.raises(MetaserverUnavailable) as exc:
-        asyncio.run(post_once(options, server.url, rendezvous()))
+        asyncio.run(post_once(options, server.url, rendezvous(), idempotent=True))
     assert exc.value.attempts == 3 and exc.value.deadline is False
     assert "HTTP 500" in str(exc.value)
     assert len(server.script.bodies) == 3
+
+
+def test_5xx_from_a_metaserver_that_is_not_idempotent_is_final(server: MetaServer) -> None:
+    # It received the POST; posting again would be a new dispatch there.
+    server.script.replies = [503, 200]
+    with pytest.raises(MetaserverUnavailable) as exc:
+        asyncio.run(post_once(FAST, server.url, rendezvous()))
+    assert exc.value.attempts == 1 and exc.value.deadline is False
+    assert "HTTP 503" in str(exc.value) and "final" in str(exc.value)
+    assert len(server.script.bodies) == 1
 
 
 @pytest.mark.parametrize("status", [500, 404])
@@ -108,11 +126,12 @@ def test_legacy_switch_counts_http_errors_as_delivered(server: MetaServer, statu
         legacy_errors_delivered=True,
     )
     result = asyncio.run(post_once(legacy, server.url, rendezvous()))
-    assert result.status == status and result.legacy_error is True  # type: ignore[attr-defined]
-    assert result.attempts == 1  # type: ignore[attr-defined]
+    assert result.status == status and result.legacy_error is True
+    assert result.attempts == 1
 
 
 def test_transport_errors_are_retried_then_reported() -> None:
+    # Refused connections: never sent, so retried for any metaserver (idempotent or not).
     url = f"http://127.0.0.1:{closed_port()}/v1/metaserver"
     options = MetaserverOptions(
         timeout_s=1.0, max_attempts=3, backoff_s=0.01, backoff_max_s=0.01, deadline_s=10.0
@@ -130,7 +149,7 @@ def test_stalled_server_is_bounded_by_the_overall_deadline(server: MetaServer) -
     )
     start = time.monotonic()
     with pytest.raises(MetaserverUnavailable) as exc:
-        asyncio.run(post_once(options, server.url, rendezvous()))
+        asyncio.run(post_once(options, server.url, rendezvous(), idempotent=True))
     elapsed = time.monotonic() - start
     assert exc.value.deadline is True
     assert exc.value.code == ErrorCode.TIMEOUT
@@ -148,7 +167,9 @@ def test_poster_runs_many_posts_on_one_thread(server: MetaServer) -> None:
     )
     with RendezvousPoster(options) as poster:
         assert threading.active_count() == threads_before + 1
-        futures = [poster.post(server.url, rendezvous(f"cmpl-p-{i}")) for i in range(200)]
+        futures = [
+            poster.post(server.url, rendezvous(f"cmpl-p-{i}"), idempotent=True) for i in range(200)
+        ]
         assert threading.active_count() == threads_before + 1  # no thread per request
         results = [f.result(timeout=30) for f in futures]
     assert threading.active_count() == threads_before

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import VllmConfigFactory
+from example_proxy_harness import ExampleProxy
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -39,6 +40,7 @@ from rd2h_protocol.rendezvous import (
     decode_rendezvous,
     remote_prefill_params,
 )
+from rd2h_runtime.proxy.payloads import METASERVER_IDEMPOTENT_KEY
 from rd2h_vllm.config import CONNECTOR_MODULE, CONNECTOR_NAME
 from rd2h_vllm.connector import SfaRemoteD2HConnector
 from rd2h_vllm.scheduler import (
@@ -231,6 +233,7 @@ def test_decode_reports_the_prompt_as_async_and_posts_after_allocation(
     assert req.num_computed_tokens == 40
     assert meta(out2).is_empty()
     assert list(req.output_token_ids) == [7]
+    wait_for(lambda: not side(scheduler).posting())  # the answer reaches the poster's thread
     assert side(scheduler).is_idle()
 
 
@@ -259,8 +262,13 @@ def test_decode_local_prefix_hit_is_posted_as_cached_tokens(
     first_blocks = scheduler.kv_cache_manager.get_block_ids(first.request_id)[0]
     assert load.main_block_ids[:2] == first_blocks[:2]  # shared cached blocks, full list
     assert len(load.main_block_ids) == 3
+    # Both posts are in flight at once (the first is not awaited), each on its own pooled
+    # connection: they may reach the server in either order, so match them by request id.
     wait_for(lambda: len(server.script.bodies) == 2)
-    assert decode_rendezvous(server.script.bodies[1]).remote_cached_tokens == 32
+    posted = {rv.request_id: rv for rv in map(decode_rendezvous, server.script.bodies)}
+    assert posted.keys() == {"cmpl-a-0", "cmpl-b-0"}
+    assert posted["cmpl-a-0"].remote_cached_tokens == 0
+    assert posted["cmpl-b-0"].remote_cached_tokens == 32
 
 
 def test_decode_refused_rendezvous_becomes_a_load_failure(
@@ -320,6 +328,78 @@ def test_decode_abort_while_loading_holds_blocks_until_the_workers_are_done(
     assert req.request_id not in scheduler.requests
     assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == free_before + 3
     assert side(scheduler).is_idle()
+
+
+def test_decode_slow_answer_to_a_delivered_rendezvous_does_not_fail_the_request(
+    make_scheduler: SchedulerFactory,
+    block_hasher: Callable[[Request], Any],
+) -> None:
+    # Like the existing example proxy: the answer comes once the Prefill dispatch is over,
+    # later than FAST's 2 s per attempt (the v1 client re-posted then).
+    scheduler = make_scheduler("kv_consumer")
+    with ExampleProxy(dispatch_s=2.5) as proxy:
+        req = request(
+            "cmpl-sl-0-00000004", list(range(40)), remote_prefill_params(proxy.url), block_hasher
+        )
+        scheduler.add_request(req)
+        step(scheduler)
+        assert side(scheduler).posting() == {req.request_id}
+        wait_for(lambda: not side(scheduler).posting())
+        out, _ = step(scheduler)
+    assert meta(out).load_failures == []
+    assert side(scheduler).loading().keys() == {req.request_id}
+    assert (proxy.seen.dispatches, proxy.seen.answered) == (1, 1)
+
+
+def test_decode_request_finishing_cancels_its_pending_rendezvous_post(
+    make_scheduler: SchedulerFactory,
+    block_hasher: Callable[[Request], Any],
+) -> None:
+    scheduler = make_scheduler("kv_consumer")
+    with ExampleProxy(dispatch_s=60.0) as proxy:
+        req = request(
+            "cmpl-cx-0-00000005", list(range(40)), remote_prefill_params(proxy.url), block_hasher
+        )
+        scheduler.add_request(req)
+        step(scheduler)
+        wait_for(lambda: bool(proxy.seen.posts))
+        assert side(scheduler).posting() == {req.request_id}
+        scheduler.finish_requests(req.request_id, RequestStatus.FINISHED_ABORTED)
+        assert side(scheduler).posting() == set()
+        wait_for(lambda: proxy.seen.cancelled == 1)  # the proxy saw the POST go away
+        # The cancelled post is not a load failure: the request is over already.
+        out, _ = step(scheduler)
+        assert meta(out).load_failures == []
+        assert side(scheduler).loading().keys() == {req.request_id}
+        step(scheduler, finished_recving={req.request_id})
+    assert req.request_id not in scheduler.requests
+    assert (proxy.seen.dispatches, proxy.seen.answered) == (1, 0)
+    assert side(scheduler).is_idle()
+
+
+@pytest.mark.parametrize("idempotent", [True, False])
+def test_decode_reposts_only_to_a_metaserver_that_declared_itself_idempotent(
+    make_scheduler: SchedulerFactory,
+    server: MetaServer,
+    block_hasher: Callable[[Request], Any],
+    idempotent: bool,
+) -> None:
+    server.script.replies = [503, 200]  # the first post fails after reaching the server
+    params = remote_prefill_params(server.url)
+    if idempotent:
+        params[METASERVER_IDEMPOTENT_KEY] = True  # as rd2h proxy hands it to Decode
+    scheduler = make_scheduler("kv_consumer")
+    req = request("cmpl-id-0-00000006", list(range(40)), params, block_hasher)
+    scheduler.add_request(req)
+    step(scheduler)
+    wait_for(lambda: not side(scheduler).posting())
+    out, _ = step(scheduler)
+    if idempotent:
+        assert len(server.script.bodies) == 2 and meta(out).load_failures == []
+    else:
+        assert len(server.script.bodies) == 1
+        [failure] = meta(out).load_failures
+        assert failure.req_id == req.request_id and "HTTP 503" in failure.message
 
 
 def test_decode_without_a_metaserver_computes_locally(
