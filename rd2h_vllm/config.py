@@ -71,6 +71,7 @@ EXTRA_DEFAULTS: Final[Mapping[str, object]] = {
     "metaserver_backoff_s": 0.1,
     "metaserver_backoff_max_s": 2.0,
     "metaserver_deadline_s": 30.0,
+    "metaserver_response_timeout_s": 600.0,
     "legacy_metaserver_errors_delivered": False,
     # Optional start-up check of the peer's TP size (else checked per rendezvous).
     "peer_tp_size": None,
@@ -84,9 +85,14 @@ _MAX_LEASE_MS: Final = (1 << 32) - 1  # lease_ms is a uint32 on the wire
 
 @dataclass(frozen=True, slots=True)
 class MetaserverOptions:
-    """How Decode posts a rendezvous: per-attempt timeout, attempts, backoff, deadline.
+    """How Decode posts a rendezvous (see :mod:`rd2h_vllm.metaserver` for the policy).
 
-    ``legacy_errors_delivered`` reproduces v1: any HTTP error status counts as delivered.
+    ``timeout_s`` bounds each attempt to an idempotent metaserver (``rd2h proxy``), and
+    the connect and send of a POST to any other; ``response_timeout_s`` bounds the wait for
+    a non-idempotent metaserver's answer to a POST it received (the existing example proxy
+    answers only once its Prefill dispatch is over). ``max_attempts``, ``backoff_*`` and
+    ``deadline_s`` bound the retries. ``legacy_errors_delivered`` reproduces v1: any HTTP
+    error status counts as delivered.
     """
 
     timeout_s: float = 5.0
@@ -94,6 +100,7 @@ class MetaserverOptions:
     backoff_s: float = 0.1
     backoff_max_s: float = 2.0
     deadline_s: float = 30.0
+    response_timeout_s: float = 600.0
     legacy_errors_delivered: bool = False
 
 
@@ -342,6 +349,9 @@ def parse_config(
         ),
         deadline_s=_positive_number(
             problems, "metaserver_deadline_s", values["metaserver_deadline_s"]
+        ),
+        response_timeout_s=_positive_number(
+            problems, "metaserver_response_timeout_s", values["metaserver_response_timeout_s"]
         ),
         legacy_errors_delivered=_bool(
             problems,

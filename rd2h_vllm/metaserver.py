@@ -27,7 +27,8 @@ A retried POST is safe only where the metaserver recognises a repeat. Two kinds 
   POST it receives. A POST is retried only while it provably never reached it (connect,
   pool or send failures; ``timeout_s`` bounds each of those phases, ``max_attempts`` and
   ``deadline_s`` as above). Once the request is sent it is never sent again, and its
-  answer may take up to ``response_timeout_s`` (default :data:`RESPONSE_TIMEOUT_S`). An
+  answer may take up to ``response_timeout_s`` (``metaserver_response_timeout_s``, 600 s:
+  a backstop only, the scheduler cancels the POST when its request ends). An
   answer that does not come (the connection dropped, or that time passed) does not fail
   the request: the POST was delivered, and Decode's own ``kv_load_timeout_s`` fails a
   request whose KV never comes. A 5xx answer is final (the proxy's dispatch failed).
@@ -71,11 +72,6 @@ logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 _BODY_EXCERPT = 300  # characters of an error body kept in the message
-
-#: How long a non-idempotent metaserver may take to answer a POST it received (the
-#: existing example proxy answers when its Prefill dispatch has finished). A backstop
-#: only: the scheduler cancels the POST when its request ends.
-RESPONSE_TIMEOUT_S: Final = 600.0
 
 #: Failures before the request was completely sent: the metaserver cannot have acted on
 #: it, so posting again never makes a second dispatch.
@@ -159,8 +155,8 @@ def _describe(exc: Exception) -> str:
 class MetaserverClient:
     """Posts rendezvous from inside a running event loop (one pooled AsyncClient).
 
-    ``response_timeout_s`` bounds the wait for a non-idempotent metaserver's answer to a
-    POST it received (see the module docstring). ``transport`` lets tests inject an
+    ``options.response_timeout_s`` bounds the wait for a non-idempotent metaserver's
+    answer to a POST it received (see the module docstring). ``transport`` lets tests inject an
     ``httpx`` transport; ``clock`` and ``sleep`` are the monotonic clock and the async
     sleep (injectable for the same reason).
     """
@@ -169,13 +165,11 @@ class MetaserverClient:
         self,
         options: MetaserverOptions,
         *,
-        response_timeout_s: float = RESPONSE_TIMEOUT_S,
         transport: httpx.AsyncBaseTransport | None = None,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], Coroutine[Any, Any, None]] = asyncio.sleep,
     ) -> None:
         self.options = options
-        self.response_timeout_s = response_timeout_s
         self._clock = clock
         self._sleep = sleep
         # Pool: rendezvous are tiny and bursty; keep-alive connections to the one proxy
@@ -217,7 +211,7 @@ class MetaserverClient:
             attempts += 1
             sending = min(opts.timeout_s, left)
             timeout = httpx.Timeout(
-                sending, read=sending if idempotent else self.response_timeout_s
+                sending, read=sending if idempotent else self.options.response_timeout_s
             )
             try:
                 response = await self._client.post(url, content=body, timeout=timeout)
@@ -281,7 +275,6 @@ class RendezvousPoster:
         self,
         options: MetaserverOptions,
         *,
-        response_timeout_s: float = RESPONSE_TIMEOUT_S,
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         self.options = options
@@ -290,17 +283,15 @@ class RendezvousPoster:
             target=self._loop.run_forever, name="rd2h-metaserver", daemon=True
         )
         self._thread.start()
-        self._client = self._run(self._make_client(options, response_timeout_s, transport)).result()
+        self._client = self._run(self._make_client(options, transport)).result()
         self._closed = False
 
     @staticmethod
     async def _make_client(
-        options: MetaserverOptions,
-        response_timeout_s: float,
-        transport: httpx.AsyncBaseTransport | None,
+        options: MetaserverOptions, transport: httpx.AsyncBaseTransport | None
     ) -> MetaserverClient:
         # Created on the loop's own thread so its pool binds to that loop.
-        return MetaserverClient(options, response_timeout_s=response_timeout_s, transport=transport)
+        return MetaserverClient(options, transport=transport)
 
     def _run(self, coro: Coroutine[Any, Any, _T]) -> concurrent.futures.Future[_T]:
         return asyncio.run_coroutine_threadsafe(coro, self._loop)

@@ -109,6 +109,7 @@ def test_v2_options_and_other_backends() -> None:
             protocol="v1",
             metaserver_max_attempts=3,
             metaserver_deadline_s=4.0,
+            metaserver_response_timeout_s=90.0,
             legacy_metaserver_errors_delivered=True,
             advertise_host="10.0.0.7",
         )
@@ -119,6 +120,7 @@ def test_v2_options_and_other_backends() -> None:
     assert cfg.protocol == "v1"
     assert cfg.metaserver.max_attempts == 3
     assert cfg.metaserver.deadline_s == 4.0
+    assert cfg.metaserver.response_timeout_s == 90.0
     assert cfg.metaserver.legacy_errors_delivered is True
     # Off Ascend, Decode may run without sparse offload (it reads into vLLM's KV cache).
     assert cfg.sparse_offload is False

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import time
 
 import msgspec
@@ -43,7 +44,7 @@ RENDEZVOUS = Rendezvous(
 async def post(
     url: str, *, idempotent: bool = False, response_timeout_s: float = 60.0
 ) -> PostResult:
-    client = MetaserverClient(OPTIONS, response_timeout_s=response_timeout_s)
+    client = MetaserverClient(dataclasses.replace(OPTIONS, response_timeout_s=response_timeout_s))
     try:
         return await client.post(url, RENDEZVOUS, idempotent=idempotent)
     finally:
