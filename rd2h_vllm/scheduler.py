@@ -48,10 +48,15 @@ children of a prompt list each find theirs). Every step that computes some of it
 prompt adds a :class:`SendSpec`: its current block ids per group, the tokens Decode
 already holds, the tokens already published and the tokens computed once this step has
 run, and whether this step finishes the prompt. The worker turns that into block ranges
-with :func:`~rd2h_protocol.topology.chunk_block_range`. ``request_finished`` keeps the
-blocks of a request that published anything until the workers list it in
-``finished_sending`` (every Decode read of it is over), because vLLM may hand freed
-blocks to another request (and zero them) before the next forward pass.
+with :func:`~rd2h_protocol.topology.chunk_block_range`. A prompt-list child without a
+usable batch entry of its own is still computed, but its KV has nowhere to go: a
+:class:`SendAbort` names it and the Decode engine of the list's top-level rendezvous
+(child 0's; every child runs there), and the worker aborts it toward that Decode. A v2
+Decode fails the child at once; a v1 Decode, which has no ABORT message, still fails it
+on its load timeout. ``request_finished`` keeps the blocks of a request that published
+anything until the workers list it in ``finished_sending`` (every Decode read of it is
+over), because vLLM may hand freed blocks to another request (and zero them) before the
+next forward pass.
 
 The worker-side contract (for ``SfaRemoteD2HConnector``'s worker half):
 
@@ -60,9 +65,10 @@ The worker-side contract (for ``SfaRemoteD2HConnector``'s worker half):
   and no read of it is in flight; failed ones' main and indexer blocks go to
   ``get_block_ids_with_load_errors``. Requests in ``load_failures`` and requests in
   ``finished_req_ids`` (aborted) fail / abort the same way.
-* Prefill: publish :class:`SendSpec` chunks; report the request in ``finished_sending``
-  exactly once, after vLLM listed it in ``finished_req_ids`` and no Decode read of it can
-  happen any more (``RequestFinished`` from the producer endpoint, or never published).
+* Prefill: publish :class:`SendSpec` chunks; abort every :class:`SendAbort` toward its
+  Decode; report the request in ``finished_sending`` exactly once, after vLLM listed it
+  in ``finished_req_ids`` and no Decode read of it can happen any more
+  (``RequestFinished`` from the producer endpoint, or never published).
 """
 
 from __future__ import annotations
@@ -78,7 +84,13 @@ import msgspec
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 from rd2h_protocol.errors import ConfigError, ErrorCode, ProtocolError
-from rd2h_protocol.rendezvous import METASERVER_KEY, Rendezvous, params_for_child
+from rd2h_protocol.rendezvous import (
+    BATCH_PARAMS_KEY,
+    METASERVER_KEY,
+    Rendezvous,
+    params_for_child,
+    rendezvous_from_params,
+)
 from rd2h_protocol.topology import external_request_id
 from rd2h_runtime.proxy.payloads import METASERVER_IDEMPOTENT_KEY
 from rd2h_vllm.config import Rd2hConfig
@@ -134,6 +146,21 @@ class DecodeTarget(msgspec.Struct, frozen=True, kw_only=True):
     tp_size: int
 
 
+class SendAbort(msgspec.Struct, frozen=True, kw_only=True):
+    """Prefill: a prompt-list child whose KV will never be sent, to abort toward Decode.
+
+    Its own rendezvous is missing from (or unusable in) the prompt list's batch map, so
+    its Decode destinations are unknown; ``target`` is the Decode engine of the list's
+    top-level rendezvous (child 0's: every child of a prompt list runs on that Decode).
+    ``message`` says why, for the log.
+    """
+
+    req_id: str
+    ext_id: str
+    target: DecodeTarget
+    message: str
+
+
 class SendSpec(msgspec.Struct, frozen=True, kw_only=True):
     """Prefill: one step of one request (chunk bookkeeping for ``chunk_block_range``).
 
@@ -161,9 +188,10 @@ class Rd2hConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     load_failures: list[LoadFailure] = field(default_factory=list)
     sends: list[SendSpec] = field(default_factory=list)
+    send_aborts: list[SendAbort] = field(default_factory=list)
 
     def is_empty(self) -> bool:
-        return not (self.loads or self.load_failures or self.sends)
+        return not (self.loads or self.load_failures or self.sends or self.send_aborts)
 
 
 # -- KV-cache groups --------------------------------------------------------------------------
@@ -208,6 +236,16 @@ class CacheGroups:
 
 
 # -- the scheduler side ---------------------------------------------------------------------
+
+
+def _decode_target(rendezvous: Rendezvous) -> DecodeTarget:
+    """The Decode engine a rendezvous names."""
+    return DecodeTarget(
+        engine_id=rendezvous.remote_engine_id,
+        host=rendezvous.remote_host,
+        base_port=rendezvous.remote_port,
+        tp_size=rendezvous.remote_tp_size,
+    )
 
 
 def _post_failure(
@@ -300,6 +338,7 @@ class SchedulerSide:
         self._failures: list[LoadFailure] = []
         # Prefill
         self._sending: dict[str, _SendState] = {}
+        self._new_send_aborts: list[SendAbort] = []
 
     # -- introspection (tests, invariant checks) ---------------------------------------
 
@@ -319,7 +358,12 @@ class SchedulerSide:
     def is_idle(self) -> bool:
         """No per-request state left (every map has drained)."""
         return not (
-            self._loading or self._new_loads or self._to_post or self.posting() or self._sending
+            self._loading
+            or self._new_loads
+            or self._to_post
+            or self.posting()
+            or self._sending
+            or self._new_send_aborts
         )
 
     # -- vLLM hooks ----------------------------------------------------------------------
@@ -408,26 +452,56 @@ class SchedulerSide:
         return self.config.base_port
 
     def _prefill_after_alloc(self, request: Request, params: dict[str, Any]) -> None:
-        ext_id = external_request_id(request.request_id)
+        req_id = request.request_id
+        ext_id = external_request_id(req_id)
         try:
             rendezvous = params_for_child(params, ext_id)
             self.config.check_peer(rendezvous.remote_tp_size)
         except ProtocolError as exc:
-            # Prefill still computes the request (the client gets its token); Decode,
-            # never reached, fails it on its own deadline.
-            logger.error("request %s: no usable rendezvous: %s", request.request_id, exc)
+            # Prefill still computes the request (the client gets its token).
+            logger.error("request %s: no usable rendezvous: %s", req_id, exc)
             self.stats.record_failure(exc.code)
+            self._abort_prompt_list_child(req_id, ext_id, params, exc)
             return
-        self._sending[request.request_id] = _SendState(
+        self._sending[req_id] = _SendState(
             request=request,
             ext_id=ext_id,
-            target=DecodeTarget(
-                engine_id=rendezvous.remote_engine_id,
-                host=rendezvous.remote_host,
-                base_port=rendezvous.remote_port,
-                tp_size=rendezvous.remote_tp_size,
-            ),
+            target=_decode_target(rendezvous),
             remote_cached_tokens=rendezvous.remote_cached_tokens,
+        )
+
+    def _abort_prompt_list_child(
+        self, req_id: str, ext_id: str, params: dict[str, Any], error: ProtocolError
+    ) -> None:
+        """Queue an abort of a prompt-list child that has no usable batch entry of its own.
+
+        Every child of a prompt list runs on the Decode engine the list's top-level
+        rendezvous names (child 0's), so the worker aborts the child toward that engine and
+        a v2 Decode fails it at once instead of on its load timeout (a v1 Decode cannot be
+        told). Without a batch map, or with a top-level rendezvous this Prefill cannot use
+        either, no Decode can be named: it fails the child on its own deadline.
+        """
+        if BATCH_PARAMS_KEY not in params:
+            return
+        try:
+            top_level = rendezvous_from_params(params)
+            self.config.check_peer(top_level.remote_tp_size)
+        except ProtocolError as exc:
+            logger.error(
+                "request %s: the prompt list's top-level rendezvous is unusable too (%s); "
+                "Decode fails child %s on its load timeout",
+                req_id,
+                exc,
+                ext_id,
+            )
+            return
+        self._new_send_aborts.append(
+            SendAbort(
+                req_id=req_id,
+                ext_id=ext_id,
+                target=_decode_target(top_level),
+                message=error.message,
+            )
         )
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> Rd2hConnectorMetadata:
@@ -443,6 +517,7 @@ class SchedulerSide:
             self._post_queued()
         else:
             meta.sends = self._prefill_sends(scheduler_output)
+            meta.send_aborts, self._new_send_aborts = self._new_send_aborts, []
         return meta
 
     def _post_queued(self) -> None:

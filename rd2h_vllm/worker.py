@@ -27,8 +27,11 @@ publisher thread waits for it, keeping every call in order); ``wait_for_save`` e
 step. A request is reported in ``finished_sending`` once vLLM finished it AND no Decode
 read of it can happen any more (the endpoint's ``RequestFinished``, or it never
 reached the endpoint). A request vLLM finishes before its final chunk was scheduled
-(abort) is aborted toward Decode. Prefill never raises for a failed read of a request
-(``read_failure_policy="isolate"``); the failure is counted in the metrics.
+(abort) is aborted toward Decode, and so is a prompt-list child the scheduler found no
+usable rendezvous for (:class:`~rd2h_vllm.scheduler.SendAbort`), once a publication has
+opened the connection to its Decode (a v1 Decode cannot be told). Prefill never raises
+for a failed read of a request (``read_failure_policy="isolate"``); the failure is
+counted in the metrics.
 
 :class:`DecodeSide` (kv_consumer) binds one :class:`~rd2h_runtime.decode.DecodeWorker`
 whose destinations come from a :class:`~rd2h_vllm.destinations.DestinationProvider`.
@@ -47,6 +50,7 @@ several groups: there the request-level ``failed_recving`` is the report).
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import threading
@@ -83,7 +87,8 @@ from rd2h_vllm.destinations import (
 )
 from rd2h_vllm.kv_layout import cache_arrays, describe
 from rd2h_vllm.metrics import CounterDelta, Rd2hKVConnectorStats
-from rd2h_vllm.scheduler import CacheGroups, LoadSpec, Rd2hConnectorMetadata, SendSpec
+from rd2h_vllm.scheduler import CacheGroups, LoadSpec, Rd2hConnectorMetadata, SendAbort, SendSpec
+from rd2h_vllm.scheduler import DecodeTarget as DecodeEngine
 
 if TYPE_CHECKING:
     from vllm.distributed.parallel_state import GroupCoordinator
@@ -265,6 +270,20 @@ def prefill_layouts(
 # -- Prefill ---------------------------------------------------------------------------------
 
 
+def _endpoint_target(engine: DecodeEngine) -> DecodeTarget:
+    """The producer endpoint's view of a Decode engine (host, base port, TP size)."""
+    return DecodeTarget(engine.host, engine.base_port, engine.tp_size)
+
+
+@dataclass(frozen=True, slots=True)
+class _PendingAbort:
+    """A prompt-list child to abort toward its Decode once a publication reached it."""
+
+    child: SendAbort
+    target: DecodeTarget
+    give_up_at: float  # Decode's load timeout has failed the child by then
+
+
 @dataclass(slots=True)
 class _Send:
     """One Prefill request as the worker side tracks it."""
@@ -374,6 +393,10 @@ class PrefillSide:
         self._finished: list[RequestFinished] = []  # from the worker's threads
         self._sends: dict[str, _Send] = {}
         self._by_ext: dict[str, str] = {}
+        # Decode engines a publication has gone to (their connection's handshake began),
+        # and prompt-list children still waiting for one to abort toward theirs.
+        self._contacted: set[DecodeTarget] = set()
+        self._pending_aborts: list[_PendingAbort] = []
         self._step_active = False
         self._published: set[int] = set()
         self._top = -1
@@ -410,7 +433,7 @@ class PrefillSide:
 
     def is_idle(self) -> bool:
         """Nothing tracked here nor in the endpoint."""
-        return not self._sends and self.worker.is_idle()
+        return not self._sends and not self._pending_aborts and self.worker.is_idle()
 
     def published(self) -> frozenset[int]:
         """Wire indices of the layers published so far in the current step."""
@@ -445,7 +468,8 @@ class PrefillSide:
     # -- the step ----------------------------------------------------------------------------
 
     def bind(self, meta: Rd2hConnectorMetadata) -> None:
-        """Schedule this step's chunks (before the forward pass's first layer)."""
+        """Schedule this step's chunks (before the forward pass's first layer); take the
+        prompt-list children to abort (see :meth:`end_step`)."""
         self._published.clear()
         self._top = -1
         for send in meta.sends:
@@ -455,9 +479,13 @@ class PrefillSide:
             if not state.registered or state.final_scheduled or self._ended(state.ext_id):
                 continue
             self._schedule(state, send)
+        give_up_at = time.monotonic() + self.config.kv_load_timeout_s
+        for child in meta.send_aborts:
+            target = _endpoint_target(child.target)
+            self._pending_aborts.append(_PendingAbort(child, target, give_up_at))
 
     def _register(self, send: SendSpec) -> _Send:
-        target = DecodeTarget(send.target.host, send.target.base_port, send.target.tp_size)
+        target = _endpoint_target(send.target)
         registered = True
         try:
             if send.ext_id in self._by_ext:
@@ -511,6 +539,9 @@ class PrefillSide:
             return
         main = send.main_block_ids[ms:me]
         ext, final = state.ext_id, send.final
+        if main or indexer or final:
+            # A publication will name the request: it opens the connection to its Decode.
+            self._contacted.add(_endpoint_target(send.target))
 
         def schedule() -> None:
             try:
@@ -571,10 +602,64 @@ class PrefillSide:
         self.worker.layer_written(idx)
 
     def end_step(self) -> None:
-        """The step's forward pass is over."""
+        """The step's forward pass is over; then abort the prompt-list children whose
+        Decode a publication has reached."""
         if self._step_active:
             self._step_active = False
             self._publisher.run(self.worker.end_step)
+        if self._pending_aborts:
+            self._abort_reachable_children()
+
+    def _abort_reachable_children(self) -> None:
+        """Abort pending prompt-list children toward Decode engines a publication reached.
+
+        The endpoint can tell a Decode only over a connection whose handshake has begun
+        (a publication begins it; an ABORT toward a connection never used is dropped), so a
+        child waits until a publication went to its Decode engine: in practice a sibling's,
+        in the same step. Queued behind this step's publications, its ABORT goes out on the
+        connection they opened (held until the handshake ends). A child that no publication
+        reaches within the load timeout is dropped: its Decode has failed it by then.
+        """
+        now = time.monotonic()
+        waiting: list[_PendingAbort] = []
+        for pending in self._pending_aborts:
+            if pending.target in self._contacted:
+                self._publisher.run(functools.partial(self._abort_child, pending))
+            elif now < pending.give_up_at:
+                waiting.append(pending)
+            else:
+                logger.warning(
+                    "request %s: prompt-list child %s was never aborted toward Decode %s:%d "
+                    "(nothing was published to it); Decode fails it on its load timeout",
+                    pending.child.req_id,
+                    pending.child.ext_id,
+                    pending.target.host,
+                    pending.target.base_port,
+                )
+        self._pending_aborts = waiting
+
+    def _abort_child(self, pending: _PendingAbort) -> None:
+        """Register the child with the endpoint and abort it at once: a v2 Decode fails it
+        on the ABORT; a v1 Decode has no ABORT message and fails it on its load timeout."""
+        child, target = pending.child, pending.target
+        logger.warning(
+            "request %s: prompt-list child %s has no usable rendezvous (%s); aborting it "
+            "toward Decode %s:%d (a v1 Decode cannot be told and fails it on its load timeout)",
+            child.req_id,
+            child.ext_id,
+            child.message,
+            target.host,
+            target.base_port,
+        )
+        try:
+            self.worker.add_request(child.ext_id, target)
+        except ProtocolError as exc:
+            # E.g. its external id is in flight for another request: that one must not be
+            # aborted, so this child fails on Decode's load timeout.
+            logger.error("request %s: child %s not aborted: %s", child.req_id, child.ext_id, exc)
+            self.stats.record_failure(exc.code)
+            return
+        self.worker.abort([child.ext_id])
 
     # -- completion --------------------------------------------------------------------------
 

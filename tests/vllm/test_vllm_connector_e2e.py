@@ -10,6 +10,7 @@ by vLLM), and the Decode request becomes runnable.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator
 
@@ -157,6 +158,91 @@ def test_prompt_list_children_share_one_prefill_dispatch(
         ids = decode.block_ids(child.request_id)[0]
         assert decode.mismatches(f"cmpl-list-{i}", ids) == [], i
     run_until([prefill, decode], lambda: not prefill.scheduler.requests)
+
+
+#: Decode's load timeout when a child must fail on Prefill's ABORT: ample for the other
+#: children's loads, many times what an ABORT takes.
+ABORT_TEST_LOAD_TIMEOUT_S = 10.0
+
+
+@pytest.mark.parametrize(
+    ("missing", "token_budget"),
+    [
+        pytest.param(1, 1024, id="siblings-published-in-the-same-step"),
+        # 32 tokens a step: child 0 (20 tokens) and 12 of child 1's 35 in step 1, less
+        # than a block of child 1, so nothing is published to Decode before step 2.
+        pytest.param(0, 32, id="abort-waits-for-a-later-publication"),
+    ],
+)
+def test_prompt_list_child_without_a_batch_entry_fails_on_decode_at_once(
+    make_vllm_config: VllmConfigFactory,
+    server: MetaServer,
+    caplog: pytest.LogCaptureFixture,
+    missing: int,
+    token_budget: int,
+) -> None:
+    """The batch map lacks one child's entry: Prefill aborts that child toward the Decode
+    of the list's top-level rendezvous, on the connection its siblings' first publication
+    opens (this is the first traffic between the two engines), and Decode fails it on the
+    ABORT, long before its load timeout; the siblings load byte-exact."""
+    decode = build_engine(
+        make_vllm_config,
+        "kv_consumer",
+        kv_port=free_port_block(1),
+        extra={"kv_load_timeout_s": ABORT_TEST_LOAD_TIMEOUT_S},
+    )
+    prefill = build_engine(make_vllm_config, "kv_producer", max_num_batched_tokens=token_budget)
+    with engines(prefill, decode), caplog.at_level(logging.WARNING, logger="rd2h_vllm"):
+        prompts = [list(range(20)), list(range(30, 65)), list(range(70, 73))]
+        children = [
+            decode.add(
+                make_request(f"cmpl-gap-{i}-0000000{i}", p, remote_prefill_params(server.url), 2)
+            )
+            for i, p in enumerate(prompts)
+        ]
+        decode.step()
+        posted = {r.request_id: r for r in map(decode_rendezvous, wait_posts(server, 3))}
+        params = {
+            **posted["cmpl-gap-0"].to_params(),
+            BATCH_PARAMS_KEY: {
+                ext: r.to_params() for ext, r in posted.items() if ext != f"cmpl-gap-{missing}"
+            },
+        }
+        start = time.monotonic()
+        p_reqs = [
+            prefill.add(make_request(f"cmpl-gap-{i}-1000000{i}", p, params, 1))
+            for i, p in enumerate(prompts)
+        ]
+        run_until([prefill, decode], lambda: bool(decode.failed_recving))
+        failed_after_s = time.monotonic() - start
+        assert decode.failed_recving == [{children[missing].request_id}]
+        assert failed_after_s < ABORT_TEST_LOAD_TIMEOUT_S / 4, failed_after_s
+        # Failed by Prefill's ABORT (code ABORTED), not by the load timeout (TIMEOUT).
+        assert sum(s.get("aborts_received", 0) for s in decode.stats) == 1
+        d_failures = [s["failures"] for s in decode.stats if s.get("failures")]
+        assert d_failures == [{"ABORTED": 1}]
+        assert "KV not received on TP rank 0: aborted by Prefill" in caplog.text
+        assert (
+            f"request {p_reqs[missing].request_id}: prompt-list child cmpl-gap-{missing} has "
+            "no usable rendezvous" in caplog.text
+        )
+        # One KV-cache group: the blocks are load errors and vLLM fails the request.
+        run_until([decode], lambda: children[missing].request_id not in decode.scheduler.requests)
+        assert children[missing].status == RequestStatus.FINISHED_ERROR
+        siblings = [(i, child) for i, child in enumerate(children) if i != missing]
+        run_until(
+            [prefill, decode],
+            lambda: all(status(c) == RequestStatus.RUNNING for _, c in siblings),
+        )
+        for i, child in siblings:
+            ids = decode.block_ids(child.request_id)[0]
+            assert decode.mismatches(f"cmpl-gap-{i}", ids) == [], i
+        run_until([prefill, decode], lambda: not prefill.scheduler.requests)
+        p_failures = [s["failures"] for s in prefill.stats if s.get("failures")]
+        assert p_failures == [{"MALFORMED": 1}]  # the missing entry, counted once
+        side = prefill.workers[0].prefill
+        assert side is not None and side.is_idle() and side.worker.errors == []
+        assert prefill.connector.scheduler is not None and prefill.connector.scheduler.is_idle()
 
 
 @pytest.mark.parametrize("indexer", ["shared", "group"])

@@ -481,6 +481,11 @@ def test_prefill_prompt_list_children_pick_their_own_rendezvous(
     assert sends["cmpl-q-1"].remote_cached_tokens == 16
     assert sends["cmpl-q-1"].computed_tokens == 41 and sends["cmpl-q-1"].final
     assert children[2].request_id not in side(scheduler).sending()
+    # ... but its Decode (the list's, from the top-level rendezvous) is told to fail it.
+    [abort] = meta(out).send_aborts
+    assert (abort.req_id, abort.ext_id) == (children[2].request_id, "cmpl-q-2")
+    assert abort.target == sends["cmpl-q-0"].target
+    assert "has no entry for request 'cmpl-q-2'" in abort.message
     [stats] = [eco.scheduler_stats for eco in engine_outputs.values() if eco.scheduler_stats]
     assert stats.kv_connector_stats is not None
     assert stats.kv_connector_stats["failures"] == {"MALFORMED": 1}
