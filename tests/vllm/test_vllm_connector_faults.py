@@ -374,7 +374,9 @@ def test_a_second_load_under_a_live_external_id_fails_alone(
         params = remote_prefill_params(server.url)
         first = decode.add(make_request("cmpl-dup-0-00000001", prompt, params, 2))
         second = decode.add(make_request("cmpl-dup-0-00000002", prompt[::-1], params, 2))
-        rendezvous = rendezvous_after_post(decode, server, 2)[0]
+        # The second load fails at once; a request that ends cancels its pending POST, so
+        # its rendezvous may never be sent: wait for the first one only.
+        rendezvous = rendezvous_after_post(decode, server, 1)[0]
         run_until([decode], lambda: bool(decode.failed_recving))
         assert decode.failed_recving == [{second.request_id}]
         prefill.add(make_request("cmpl-dup-0-10000000", prompt, rendezvous.to_params(), 1))
