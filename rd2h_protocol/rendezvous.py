@@ -35,6 +35,12 @@ from rd2h_protocol.errors import MalformedFrame
 BATCH_PARAMS_KEY: Final = "batch_kv_transfer_params"
 #: Key under which the proxy hands Decode its metaserver URL.
 METASERVER_KEY: Final = "metaserver"
+#: Key by which a proxy tells Decode that its metaserver answers a rendezvous as soon as it
+#: is recorded and treats an identical repeat as a duplicate (never a second dispatch), so
+#: Decode may post it again when an answer is lost. A metaserver that does not set it (the
+#: existing example proxy, which answers only after its Prefill dispatch) gets each
+#: delivered POST exactly once.
+METASERVER_IDEMPOTENT_KEY: Final = "metaserver_idempotent"
 #: The largest rendezvous body a receiver accepts (a real one is a few hundred bytes).
 MAX_RENDEZVOUS_BYTES: Final = 64 << 10
 

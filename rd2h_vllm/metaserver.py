@@ -17,7 +17,7 @@ A retried POST is safe only where the metaserver recognises a repeat. Two kinds 
 * An *idempotent* metaserver (``rd2h proxy``) records the rendezvous and answers at once
   (item 13) and treats an identical repeat of a child's rendezvous as a duplicate, never a
   second Prefill dispatch. It says so in the ``kv_transfer_params`` it hands Decode
-  (:data:`~rd2h_runtime.proxy.payloads.METASERVER_IDEMPOTENT_KEY`). Its posts keep the
+  (:data:`~rd2h_protocol.rendezvous.METASERVER_IDEMPOTENT_KEY`). Its posts keep the
   item-12 policy: each attempt bounded by ``timeout_s``; transport errors (connect, send,
   read, timeout) and 5xx answers retried with exponential backoff (``backoff_s``, doubling,
   capped at ``backoff_max_s``), at most ``max_attempts`` attempts, none started later than

@@ -86,13 +86,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 from rd2h_protocol.errors import ConfigError, ErrorCode, ProtocolError
 from rd2h_protocol.rendezvous import (
     BATCH_PARAMS_KEY,
+    METASERVER_IDEMPOTENT_KEY,
     METASERVER_KEY,
     Rendezvous,
     params_for_child,
     rendezvous_from_params,
 )
 from rd2h_protocol.topology import external_request_id
-from rd2h_runtime.proxy.payloads import METASERVER_IDEMPOTENT_KEY
 from rd2h_vllm.config import Rd2hConfig
 from rd2h_vllm.metaserver import MetaserverError, PostResult
 from rd2h_vllm.metrics import Rd2hKVConnectorStats

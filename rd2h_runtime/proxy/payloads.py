@@ -16,7 +16,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Final
 
-from rd2h_protocol.rendezvous import BATCH_PARAMS_KEY, remote_prefill_params
+from rd2h_protocol.rendezvous import (
+    BATCH_PARAMS_KEY,
+    METASERVER_IDEMPOTENT_KEY,
+    remote_prefill_params,
+)
 
 COMPLETIONS: Final = "/v1/completions"
 CHAT_COMPLETIONS: Final = "/v1/chat/completions"
@@ -25,12 +29,6 @@ CHAT_COMPLETIONS: Final = "/v1/chat/completions"
 MAX_PROMPTS: Final = 4096
 #: X-Request-Id values become part of every child id; keep them short and printable.
 MAX_REQUEST_ID_LEN: Final = 256
-#: The ``kv_transfer_params`` key by which this proxy tells Decode that its metaserver
-#: answers a rendezvous as soon as it is recorded and treats an identical repeat as a
-#: duplicate (never a second dispatch), so Decode may safely post it again when an answer
-#: is lost. A metaserver that does not set it (the existing example proxy, which answers
-#: only after its Prefill dispatch) gets each delivered POST exactly once.
-METASERVER_IDEMPOTENT_KEY: Final = "metaserver_idempotent"
 
 
 class BadRequest(Exception):

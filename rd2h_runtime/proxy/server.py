@@ -6,7 +6,7 @@ Flow of one client request (the *parent*)
    fresh one) names the parent; the child ids Decode will use are derived from it
    (:mod:`rd2h_runtime.proxy.payloads`). The request goes to the least-loaded Decode node
    with ``kv_transfer_params`` asking for a remote prefill, naming our metaserver URL and
-   declaring it idempotent (:data:`~rd2h_runtime.proxy.payloads.METASERVER_IDEMPOTENT_KEY`).
+   declaring it idempotent (:data:`~rd2h_protocol.rendezvous.METASERVER_IDEMPOTENT_KEY`).
    Decode's answer (status, body, or an SSE stream chunk by chunk) goes back to the client.
 2. Decode posts one rendezvous per child to ``POST /v1/metaserver``. The proxy records it
    and answers at once; an identical repeat (Decode re-posts when an answer was lost) is

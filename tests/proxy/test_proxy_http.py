@@ -8,9 +8,13 @@ import time
 
 from proxy_harness import HOST, Cluster, async_test, closed_port, cluster
 
-from rd2h_protocol.rendezvous import BATCH_PARAMS_KEY, Rendezvous, encode_rendezvous
+from rd2h_protocol.rendezvous import (
+    BATCH_PARAMS_KEY,
+    METASERVER_IDEMPOTENT_KEY,
+    Rendezvous,
+    encode_rendezvous,
+)
 from rd2h_runtime.proxy.config import Backend
-from rd2h_runtime.proxy.payloads import METASERVER_IDEMPOTENT_KEY
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from rd2h_protocol.errors import ConfigError
-from rd2h_protocol.rendezvous import BATCH_PARAMS_KEY
+from rd2h_protocol.rendezvous import BATCH_PARAMS_KEY, METASERVER_IDEMPOTENT_KEY
 from rd2h_runtime.proxy import build_parser, config_from_args, main
 from rd2h_runtime.proxy.balancer import LeastLoaded
 from rd2h_runtime.proxy.config import Backend, ProxyConfig, is_wildcard, pair_backends
@@ -16,7 +16,6 @@ from rd2h_runtime.proxy.payloads import (
     CHAT_COMPLETIONS,
     COMPLETIONS,
     MAX_PROMPTS,
-    METASERVER_IDEMPOTENT_KEY,
     BadRequest,
     check_request_id,
     child_ids,

@@ -36,11 +36,11 @@ from vllm_pd_harness import BLOCK, INDEXER_BLOCK, MAIN, build_scheduler, kv_setu
 from rd2h_protocol.errors import ConfigError, ErrorCode
 from rd2h_protocol.rendezvous import (
     BATCH_PARAMS_KEY,
+    METASERVER_IDEMPOTENT_KEY,
     Rendezvous,
     decode_rendezvous,
     remote_prefill_params,
 )
-from rd2h_runtime.proxy.payloads import METASERVER_IDEMPOTENT_KEY
 from rd2h_vllm.config import CONNECTOR_MODULE, CONNECTOR_NAME
 from rd2h_vllm.connector import SfaRemoteD2HConnector
 from rd2h_vllm.scheduler import (
