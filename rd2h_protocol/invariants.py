@@ -1,14 +1,25 @@
-"""The safety and liveness properties the protocol guarantees, stated once.
+"""The safety and liveness properties the protocol guarantees, stated once, and checked.
 
 The model-checking tests (:mod:`rd2h_protocol.testing`, :mod:`rd2h_protocol.explore`)
 check them after every step; the docs generator prints them. Each :class:`Invariant`
 says what it promises, what it assumes of the world, and where it does not hold.
+
+The ``check_*`` functions below are the checks of what the endpoints themselves hold
+(each raises :class:`InvariantViolation` naming its invariant); the model world adds the
+checks that need its memory model (a read that copies reused storage, a done request
+whose destination blocks hold the wrong data) and calls these at every step.
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Final
+
+from rd2h_protocol.completion import CrossRankCompletion
+from rd2h_protocol.consumer import ConsumerEndpoint
+from rd2h_protocol.producer import ProducerEndpoint
+from rd2h_protocol.producer_machines import GATE_OPEN
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +52,10 @@ INVARIANTS: Final[tuple[Invariant, ...]] = (
         (
             'v1_lease_expiry="reopen" toward a v1 Decode: the gate reopens at lease expiry '
             "while that peer may still be reading (v1's own behaviour, off by default)",
+            "a v2 Decode without the lease capability (ConsumerConfig.capabilities): at lease "
+            "expiry Prefill sends the ABORT and reopens at once, while a read that Decode "
+            "started before the ABORT arrived has no lease to bound it (open: such a "
+            "publication should be held until the reply)",
         ),
     ),
     Invariant(
@@ -57,10 +72,10 @@ INVARIANTS: Final[tuple[Invariant, ...]] = (
             "done signals count only after the read of their message succeeded",
         ),
         (
-            "a v1 Prefill (no seq): a readiness lost on a live connection is invisible to "
-            "Decode, which can complete a request with that layer missing; v1 peers are "
-            "protected from everything else (layout, ranges, identity by name, leases on "
-            "the Prefill side) but not from this",
+            "a v1 Prefill, or a Decode without the seq capability (no seq): a readiness lost "
+            "on a live connection is invisible to Decode, which can complete a request with "
+            "that layer missing; v1 peers are protected from everything else (layout, "
+            "ranges, identity by name, leases on the Prefill side) but not from this",
             "a v2 Prefill of an earlier rd2h release (no first_seq): the same, for the "
             "first readiness after each handshake only",
         ),
@@ -88,6 +103,11 @@ INVARIANTS: Final[tuple[Invariant, ...]] = (
             "a v1 Decode that keeps its connection (libzmq answers heartbeats for it) but "
             "never replies holds every gate it was sent, with the default "
             'v1_lease_expiry="hold", for as long as it stays connected',
+            "a readiness lost on a live connection toward a Decode that cannot be told to "
+            "stop (from a v1 Prefill, to a v1 Decode or a v2 one without the abort "
+            "capability) is never answered: its storage stays held until the runtime "
+            "declares the peer dead (a v2 Decode reports the gap with READINESS_LOST on the "
+            "next readiness, which Prefill does not act on)",
         ),
     ),
     Invariant(
@@ -97,3 +117,124 @@ INVARIANTS: Final[tuple[Invariant, ...]] = (
         ("every request ends: done, failed, aborted or released on both sides",),
     ),
 )
+
+
+#: Decode request states that are terminal on a rank (before vLLM releases them).
+DECODE_ENDED: Final = frozenset({"done_on_rank", "failed", "aborted"})
+
+
+class InvariantViolation(AssertionError):
+    """An invariant of :data:`INVARIANTS` (or the model world's data check) broke.
+
+    ``name`` is the invariant (S1, S2, S3, L1, B1), ``DATA`` for a read whose blocks
+    landed in the wrong place, or ``CRASH`` (explorer) for an endpoint that raised;
+    ``detail`` says what was seen.
+    """
+
+    def __init__(self, name: str, detail: str) -> None:
+        super().__init__(f"{name}: {detail}")
+        self.name = name
+        self.detail = detail
+
+    def __reduce__(self) -> tuple[type[InvariantViolation], tuple[str, str]]:
+        return type(self), (self.name, self.detail)  # results cross process boundaries
+
+
+def check_storage_gates(session: str, producer: ProducerEndpoint) -> None:
+    """S1 on one Prefill rank: a slot is open only while no publication against it is
+    outstanding (the gate's own count, and every live publication's slots)."""
+    gates = producer.gates()
+    for slot, (state, outstanding) in gates.items():
+        if state == GATE_OPEN and outstanding:
+            raise InvariantViolation(
+                "S1", f"{session} slot {slot} is open with {outstanding} publications outstanding"
+            )
+    for view in producer.publications().values():
+        for slot in view.slots:
+            if gates[slot][0] == GATE_OPEN:
+                raise InvariantViolation(
+                    "S1",
+                    f"{session} slot {slot} is open while layer {view.layer_idx} toward "
+                    f"{view.conn} is {view.state}",
+                )
+
+
+def check_read_may_start(
+    reader: str, read_id: int, session: str, producer: ProducerEndpoint, layer: int
+) -> None:
+    """S1 for a read that Decode ``reader`` may still start: every storage slot of its
+    layer on Prefill ``session`` is closed."""
+    gates = producer.gates()
+    for slot in producer.layer_slots(layer):
+        if gates[slot][0] == GATE_OPEN:
+            raise InvariantViolation(
+                "S1",
+                f"{session} slot {slot} is open while Decode {reader} may still start read "
+                f"{read_id} of layer {layer}",
+            )
+
+
+def check_done_on_rank(where: str, ext: str, contributors: Collection[int], ratio: int) -> None:
+    """S2 on one Decode rank: request ``ext`` is done only once every one of its ``ratio``
+    contributors delivered its final layer with a successful read."""
+    need = set(range(ratio))
+    if set(contributors) != need:
+        raise InvariantViolation(
+            "S2",
+            f"{ext} done on Decode {where} with final layers from contributors "
+            f"{sorted(contributors)} of {sorted(need)}",
+        )
+
+
+def check_single_outcome(where: str, ext: str, before: str | None, outcome: str) -> None:
+    """S2: a request reports one terminal outcome on a rank (never done and failed)."""
+    if before is not None:
+        raise InvariantViolation("S2", f"{ext} on Decode {where} reported {outcome} after {before}")
+
+
+def check_release(where: str, ext: str, reads_writing: Iterable[int]) -> None:
+    """S3: Decode releases ``ext``'s blocks only when no read that writes them is in flight."""
+    for read_id in reads_writing:
+        raise InvariantViolation(
+            "S3",
+            f"{ext} released on Decode {where} while read {read_id} that writes its blocks "
+            "is in flight",
+        )
+
+
+def check_quiescent(
+    producers: Mapping[str, ProducerEndpoint], consumers: Mapping[str, ConsumerEndpoint]
+) -> None:
+    """L1 once everything settled: every gate open, every request terminal, no deadline
+    left, on both sides (keys name the endpoints in the message)."""
+    for session, prod in producers.items():
+        closed = {s: g for s, g in prod.gates().items() if g[0] != GATE_OPEN}
+        if closed:
+            raise InvariantViolation("L1", f"{session} gates still closed: {closed}")
+        if prod.requests():
+            raise InvariantViolation("L1", f"{session} requests not finished: {prod.requests()}")
+        if prod.get_timer() is not None:
+            raise InvariantViolation("L1", f"{session} still waits for a deadline")
+    for where, cons in consumers.items():
+        waiting = {x: s for x, s in cons.requests().items() if s not in DECODE_ENDED}
+        if waiting:
+            raise InvariantViolation("L1", f"Decode {where} requests not terminal: {waiting}")
+        if cons.in_flight_reads() or cons.parked() or cons.get_timer() is not None:
+            raise InvariantViolation("L1", f"Decode {where} is not quiet")
+
+
+def check_idle(
+    producers: Mapping[str, ProducerEndpoint],
+    consumers: Mapping[str, ConsumerEndpoint],
+    completions: Mapping[str, CrossRankCompletion],
+) -> None:
+    """B1 after every request ended and was released: no per-request state anywhere."""
+    for session, prod in producers.items():
+        if not prod.is_idle():
+            raise InvariantViolation("B1", f"{session} keeps request state")
+    for where, cons in consumers.items():
+        if not cons.is_idle():
+            raise InvariantViolation("B1", f"Decode {where} keeps request state: {cons.requests()}")
+    for engine, comp in completions.items():
+        if not comp.is_idle():
+            raise InvariantViolation("B1", f"engine {engine} completion keeps {comp.pending()}")

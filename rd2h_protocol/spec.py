@@ -28,6 +28,7 @@ import msgspec.inspect as mi
 
 import rd2h_protocol
 from rd2h_protocol._machine import NO_EFFECT, MachineSpec
+from rd2h_protocol.explore import CONFIGS
 from rd2h_protocol.invariants import INVARIANTS
 from rd2h_protocol.messages import (
     MESSAGE_TYPES,
@@ -191,6 +192,10 @@ def render_invariants() -> str:
         out.append(f"- **{inv.name}** ({inv.kind}): {inv.statement}\n")
         out.extend(f"  - assumes: {text}\n" for text in inv.assumptions)
         out.extend(f"  - does not hold: {text}\n" for text in inv.does_not_hold)
+        breaking = [name for name, cfg in CONFIGS.items() if inv.name in cfg.expect]
+        if breaking:
+            names = ", ".join(f"`{name}`" for name in breaking)
+            out.append(f"  - explored configurations that break it, as expected: {names}\n")
     return "".join(out)
 
 
