@@ -1985,9 +1985,10 @@ CONFIGS: Final[dict[str, WorldConfig]] = {
     "no-abort": replace(
         _PEERS, decode_capabilities=_without("abort"), budgets=_MANY_FAULTS, expect=("L1",)
     ),
-    # A v2 Decode that gets no lease: it may start a read whenever the readiness arrives,
-    # but Prefill reopens the storage as soon as the ABORT is out (S1, open).
-    "no-lease": replace(_PEERS, decode_capabilities=_without("lease"), expect=("S1",)),
+    # A v2 Decode that gets no lease: it may start a read whenever the readiness arrives, so
+    # an expired publication is told (ABORT) but held until the reply; a readiness lost on
+    # the live connection is then never answered (L1, as for no-abort).
+    "no-lease": replace(_PEERS, decode_capabilities=_without("lease"), expect=("L1",)),
     # v1's own behaviour toward a Decode that can neither be told to stop nor bounded by a
     # lease: the storage reopens at lease expiry while that Decode may still read it.
     "reopen": replace(

@@ -40,9 +40,10 @@ INVARIANTS: Final[tuple[Invariant, ...]] = (
         "safety",
         "A Prefill storage slot (main or indexer, identified by its base addresses) is open "
         "only if every readiness published against that storage has a terminal reply, or its "
-        "lease expired AND either the abort was sent or the peer was declared dead: no Decode "
-        "read can start after Prefill reuses the buffer. A peer that cannot receive an abort "
-        "(v1) holds the gate until it replies or is declared dead.",
+        "lease expired AND either the abort was sent to a peer the lease bounds or the peer "
+        "was declared dead: no Decode read can start after Prefill reuses the buffer. A peer "
+        "that cannot receive an abort (v1), or whose reads no lease bounds (a v2 Decode "
+        "without the lease capability), holds the gate until it replies or is declared dead.",
         (
             "a Decode never starts a read after it replied for that readiness, nor after "
             "it received an ABORT for its requests (v2) or half the lease passed since receipt",
@@ -52,10 +53,6 @@ INVARIANTS: Final[tuple[Invariant, ...]] = (
         (
             'v1_lease_expiry="reopen" toward a v1 Decode: the gate reopens at lease expiry '
             "while that peer may still be reading (v1's own behaviour, off by default)",
-            "a v2 Decode without the lease capability (ConsumerConfig.capabilities): at lease "
-            "expiry Prefill sends the ABORT and reopens at once, while a read that Decode "
-            "started before the ABORT arrived has no lease to bound it (open: such a "
-            "publication should be held until the reply)",
         ),
     ),
     Invariant(
@@ -103,9 +100,9 @@ INVARIANTS: Final[tuple[Invariant, ...]] = (
             "a v1 Decode that keeps its connection (libzmq answers heartbeats for it) but "
             "never replies holds every gate it was sent, with the default "
             'v1_lease_expiry="hold", for as long as it stays connected',
-            "a readiness lost on a live connection toward a Decode that cannot be told to "
-            "stop (from a v1 Prefill, to a v1 Decode or a v2 one without the abort "
-            "capability) is never answered: its storage stays held until the runtime "
+            "a readiness lost on a live connection toward a Decode whose storage waits for "
+            "its reply (from a v1 Prefill, to a v1 Decode or a v2 one without the abort or "
+            "the lease capability) is never answered: its storage stays held until the runtime "
             "declares the peer dead (a v2 Decode reports the gap with READINESS_LOST on the "
             "next readiness, which Prefill does not act on)",
         ),

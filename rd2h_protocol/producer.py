@@ -897,6 +897,13 @@ class ProducerEndpoint:
     def _can_abort_now(self, conn: _Conn) -> bool:
         return conn.state == CONN_READY_V2 and CAP_ABORT in conn.caps
 
+    def _abort_frees_storage(self, conn: _Conn) -> bool:
+        """Whether an ABORT sent now makes a lapsed publication's storage free: only toward
+        a peer whose reads the lease bounds (it starts none with less than half of the
+        lease left and ends each by the deadline). A peer without ``lease`` may start a
+        read it was sent long ago at any time: its storage waits for the reply."""
+        return self._can_abort_now(conn) and CAP_LEASE in conn.caps
+
     def _emit_abort(self, conn: _Conn, ext_ids: list[str], reason: str, out: list[Output]) -> None:
         out.append(Send(conn.name, Abort(ext_ids=list(ext_ids), reason=reason)))
         self.stats.aborts_sent += 1
@@ -978,8 +985,16 @@ class ProducerEndpoint:
         only way out short of a reply or the peer's declared death). ``told``: ids an ABORT
         emitted by this same handshake named already.
         """
-        held = [p for p in conn.sent.values() if p.state == PUB_HELD]
+        held = [p for p in conn.sent.values() if p.state == PUB_HELD and p.abort_ids]
         if not held:
+            return
+        if self._can_abort_now(conn) and not self._abort_frees_storage(conn):
+            # A peer without leases: told to stop, the storage waits for its replies.
+            ids = [i for p in held for i in p.abort_ids if i not in set(told)]
+            for p in held:
+                p.abort_ids = []
+            if ids:
+                self._emit_abort(conn, list(dict.fromkeys(ids)), "lease expired", out)
             return
         if self._can_abort_now(conn):
             skip = set(told)
@@ -1290,8 +1305,11 @@ class ProducerEndpoint:
             return
         self.stats.expired_leases += 1
         ids = [r.ext_id for r in pub.requests if not r.aborted_toward_peer]
-        if pub.seq is None or not ids or self._can_abort_now(conn):
-            # Never on the wire, every request told already, or the ABORT goes out now.
+        if pub.seq is None or (
+            CAP_LEASE in conn.caps and (not ids or self._abort_frees_storage(conn))
+        ):
+            # Never on the wire; or, toward a peer the lease bounds, every request told
+            # already or the ABORT goes out now.
             event = P_TIMER_LEASE_EXPIRED
         elif CAP_ABORT in conn.caps or self.config.v1_lease_expiry == "hold":
             event = P_TIMER_LEASE_EXPIRED_UNTOLD
@@ -1319,8 +1337,13 @@ class ProducerEndpoint:
         else:
             assert effect == EFFECT_HOLD
             self.stats.held_leases += 1
-            pub.abort_ids = ids
             self._drain_pub(pub, out)  # its requests end now; the gates wait
+            if self._can_abort_now(conn) or (CAP_ABORT in conn.caps and not ids):
+                # A peer without leases: told to stop, its storage waits for the reply.
+                if ids:
+                    self._emit_abort(conn, ids, f"lease of layer {pub.layer_idx} expired", out)
+                return
+            pub.abort_ids = ids
             self._retry_for_held_aborts(conn, now, out)
 
     def _mark_expired(self, pub: _Pub) -> None:

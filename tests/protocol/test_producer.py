@@ -941,6 +941,25 @@ def test_v1_lease_expiry_hold_fails_at_once_but_keeps_the_gate_until_the_reply(
     assert ep.stats.duplicate_replies == 1
 
 
+def test_lease_expiry_toward_a_peer_without_leases_aborts_but_holds_until_the_reply() -> None:
+    # Nothing bounds such a peer's reads: it may start one it was sent long ago, so the
+    # ABORT goes out but the storage waits for the reply (S1).
+    ep = endpoint(1)
+    (m0,) = one_request_ready(ep, ack_v2([cap for cap in ALL_CAPABILITIES if cap != CAP_LEASE]))
+    out = ep.handle_timer(31.0)
+    (abort,) = sends(out, Abort)
+    assert abort.ext_ids == ["r1"]
+    assert opened(out) == []
+    r1 = finished(out)["r1"]
+    assert (r1.ok, r1.code) == (False, ErrorCode.LEASE_EXPIRED)
+    assert ep.gates() == {0: ("expired", 1), 1: ("expired", 1)}
+    assert not ep.can_overwrite(0)
+    out = ep.receive(CONN, failed(m0, "aborted", ErrorCode.ABORTED), 40.0)
+    assert opened(out) == [0, 1]
+    assert ep.is_idle()
+    assert ep.stats.aborts_sent == 1
+
+
 def test_held_publication_is_freed_by_a_failure_reply_too() -> None:
     ep = endpoint(1)
     (m0,) = one_request_ready(ep, ACK_V1_FRAME)
