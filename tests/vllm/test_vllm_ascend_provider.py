@@ -49,14 +49,13 @@ from vllm_pd_harness import (
     build_engine,
     engines,
     free_port_block,
-    make_request,
     run_until,
+    start_remote_prefill,
     status,
     wrap_in,
 )
 
 from rd2h_protocol.errors import ConfigError, TransferError
-from rd2h_protocol.rendezvous import decode_rendezvous, remote_prefill_params
 from rd2h_protocol.topology import layer_number
 from rd2h_runtime.transfer import TransferBackend
 from rd2h_runtime.transfer.base import U64Array
@@ -332,13 +331,7 @@ def test_rd2h_is_the_reuse_provider_and_the_store_reuses_only_after_decode_read(
             held.release.set()  # RD2H's own wait would block on the held read
 
         prompt = list(range(60))
-        d_req = decode.add(
-            make_request("cmpl-as-0-00000001", prompt, remote_prefill_params(server.url), 2)
-        )
-        decode.step()
-        run_until([decode], lambda: bool(server.script.bodies))
-        params = decode_rendezvous(server.script.bodies[0]).to_params()
-        prefill.add(make_request("cmpl-as-0-00000002", prompt, params, 1))
+        d_req = start_remote_prefill(prefill, decode, server, "cmpl-as-0", prompt)
         run_until([prefill, decode], lambda: status(d_req) == RequestStatus.RUNNING)
         # Every byte Decode holds is what Prefill computed, though the store overwrote the
         # buffer of layer 0 with its fill to load layer 1.

@@ -26,6 +26,7 @@ from vllm_pd_harness import (
     free_port_block,
     make_request,
     run_until,
+    start_remote_prefill,
     status,
 )
 
@@ -92,13 +93,7 @@ def test_a_read_failing_on_one_decode_rank_fails_the_request_on_both(
         assert isinstance(backend, FlakyLoopback)
         backend.failing.set()
         prompt = list(range(64))
-        d_req = decode.add(
-            make_request("cmpl-dtf-0-00000001", prompt, remote_prefill_params(server.url), 2)
-        )
-        decode.step()
-        run_until([decode], lambda: bool(server.script.bodies))
-        params = decode_rendezvous(server.script.bodies[0]).to_params()
-        prefill.add(make_request("cmpl-dtf-0-00000002", prompt, params, 1))
+        d_req = start_remote_prefill(prefill, decode, server, "cmpl-dtf-0", prompt)
         run_until([prefill, decode], lambda: bool(decode.failed_recving))
         assert decode.failed_recving == [{d_req.request_id}]
         main = decode.block_ids(d_req.request_id)[0]

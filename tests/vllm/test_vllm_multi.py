@@ -25,11 +25,12 @@ from vllm_pd_harness import (
     free_port_block,
     make_request,
     run_until,
+    start_remote_prefill,
     status,
     wrap_in,
 )
 
-from rd2h_protocol.rendezvous import Rendezvous, decode_rendezvous, remote_prefill_params
+from rd2h_protocol.rendezvous import Rendezvous
 from rd2h_vllm.connector import SfaRemoteD2HConnector
 from rd2h_vllm.multi import Rd2hMultiConnector
 from rd2h_vllm.scheduler import Rd2hConnectorMetadata
@@ -128,13 +129,7 @@ def run_pd(
     store.rd2h = prefill.rd2h()
     with engines(prefill, decode):
         prompt = list(range(60))
-        d_req = decode.add(
-            make_request("cmpl-mw-0-00000001", prompt, remote_prefill_params(server.url), 2)
-        )
-        decode.step()
-        run_until([decode], lambda: bool(server.script.bodies))
-        params = decode_rendezvous(server.script.bodies[0]).to_params()
-        prefill.add(make_request("cmpl-mw-0-00000002", prompt, params, 1))
+        d_req = start_remote_prefill(prefill, decode, server, "cmpl-mw-0", prompt)
         run_until([prefill, decode], lambda: status(d_req) == RequestStatus.RUNNING)
         bad = decode.mismatches("cmpl-mw-0", decode.block_ids(d_req.request_id)[0])
         run_until([prefill, decode], lambda: not prefill.scheduler.requests)

@@ -93,7 +93,9 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 from vllm.v1.worker.utils import allocate_kv_cache
+from vllm_metaserver_harness import MetaServer
 
+from rd2h_protocol.rendezvous import decode_rendezvous, remote_prefill_params
 from rd2h_runtime.control import ControlOptions
 from rd2h_runtime.synthetic import block_pattern
 from rd2h_vllm.config import CONNECTOR_MODULE, CONNECTOR_NAME
@@ -647,6 +649,21 @@ def run_until(engines: Sequence[Engine], done: Callable[[], bool], timeout_s: fl
         rounds += 1
         time.sleep(0.002)
     return rounds
+
+
+def start_remote_prefill(
+    prefill: Engine, decode: Engine, server: MetaServer, ext: str, prompt: list[int]
+) -> Request:
+    """Decode takes ``{ext}-00000001`` with its prompt prefilled remotely and posts the
+    rendezvous; Prefill gets ``{ext}-00000002`` with those params. Returns Decode's request."""
+    d_req = decode.add(
+        make_request(f"{ext}-00000001", prompt, remote_prefill_params(server.url), 2)
+    )
+    decode.step()
+    run_until([decode], lambda: bool(server.script.bodies))
+    params = decode_rendezvous(server.script.bodies[0]).to_params()
+    prefill.add(make_request(f"{ext}-00000002", prompt, params, 1))
+    return d_req
 
 
 def status(req: Request) -> RequestStatus:
