@@ -462,6 +462,13 @@ class DecodeWorker:
         nbytes = ndesc = 0
         start = time.monotonic()
         try:
+            # Connecting touches no Prefill memory: it may take until the lease's end, and
+            # the read's own timeout starts after it.
+            connect_s = self._read_timeout_s
+            if item.finish_by is not None:
+                connect_s = max(connect_s, item.finish_by - start)
+            self._backend.connect(plan.session, timeout_s=connect_s)
+            start = time.monotonic()
             try:
                 desc = self._planner(plan)
             finally:

@@ -348,6 +348,12 @@ class TransferBackend(abc.ABC):
             )
         self._read(session, remote, local, length, deadline)
 
+    def connect(self, session: str, *, timeout_s: float) -> None:
+        """Get ready to read from ``session`` (its metadata loaded, a connection made), so
+        that a first read's time is data movement only. Touches no remote memory; reads
+        connect on their own when this was not called. Raises :class:`TransferError`."""
+        self._ensure_open()
+
     def quiesce(self, timeout_s: float) -> bool:
         """Wait until no earlier read can still write into local memory; ``True`` if so."""
         return True

@@ -196,6 +196,7 @@ class NixlBackend(TransferBackend):
         self._lock = threading.Lock()
         self._session: str | None = None
         self._peers: dict[str, str] = {}  # session -> remote agent name
+        self._connected: set[str] = set()  # sessions whose connection connect() made
         self._unfinished: list[Any] = []  # timed-out handles NIXL could not cancel
         self._runner = BlockingCallRunner("nixl")
 
@@ -228,6 +229,34 @@ class NixlBackend(TransferBackend):
             name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
             self._peers[session] = name
         return name
+
+    def connect(self, session: str, *, timeout_s: float) -> None:
+        """Load the peer's metadata and let UCX make its connection now: on a loaded host
+        the first transfer to a new peer spent seconds here, inside its read deadline."""
+        self._ensure_open()
+        with self._lock:
+            if session in self._connected:
+                return
+        self._runner.run(
+            lambda: self._connect(session),
+            time.monotonic() + timeout_s,
+            f"NIXL connection to session {session[:24]}...",
+        )
+
+    def _connect(self, session: str) -> None:
+        with self._lock:
+            if session in self._connected:
+                return
+            peer = self._peer(session)
+            make_connection = getattr(self._agent, "make_connection", None)
+            if make_connection is not None:  # older NIXL: the first transfer connects
+                try:
+                    make_connection(peer)
+                except Exception as exc:
+                    raise TransferError(
+                        f"NIXL could not connect to {peer!r}: {exc}", _code(exc)
+                    ) from exc
+            self._connected.add(session)
 
     def _read(
         self, session: str, remote: U64Array, local: U64Array, lengths: U64Array, deadline: float

@@ -108,6 +108,24 @@ def test_bad_session_fails_cleanly(
     assert np.array_equal(dest[:4096], expected_bytes(source.length, source.seed)[:4096])
 
 
+def test_connect_ahead_of_the_first_read(
+    source: SourceInfo, reader: tuple[TransferBackend, np.ndarray]
+) -> None:
+    # connect() gets a first read's connection set-up out of its timeout; it is idempotent,
+    # moves no byte, and a peer it cannot reach fails it cleanly.
+    backend, dest = reader
+    backend.connect(source.session, timeout_s=30)
+    backend.connect(source.session, timeout_s=30)
+    assert not dest.any()
+    backend.read(source.session, [source.addr + 3], [dest.ctypes.data], [4096], timeout_s=10)
+    assert np.array_equal(dest[:4096], expected_bytes(source.length, source.seed)[3:4099])
+    if source.backend == "nixl":
+        from rd2h_runtime.transfer.nixl_backend import encode_session
+
+        with pytest.raises(TransferError):
+            backend.connect(encode_session(b"junk metadata"), timeout_s=10)
+
+
 def test_local_range_outside_registered_memory_never_reaches_the_engine(
     source: SourceInfo, reader: tuple[TransferBackend, np.ndarray]
 ) -> None:
