@@ -143,6 +143,7 @@ from rd2h_protocol.messages import (
     ALL_CAPABILITIES,
     CAP_ABORT,
     CAP_ISOLATE,
+    CAP_RESEND,
     CAP_SEQ,
     MAX_BLOCKS_PER_REQUEST,
     MAX_FRAME_BYTES,
@@ -182,6 +183,12 @@ _U32: Final = (1 << 32) - 1
 _SEQ_MAX: Final = (1 << 63) - 1
 # Room kept in a reply frame for everything but the per-request failure texts.
 _REPLY_TEXT_BUDGET: Final = MAX_FRAME_BYTES // 2
+# What a session remembers of its recent readiness (by seq: the reply, or None while it is
+# being served), to answer a resent one without reading twice: at most this many seqs and
+# about this many bytes of replies (a resend older than that is dropped; its lease covers
+# it). Prefill resends only what is unanswered, a few storages' worth.
+_REMEMBERED_SEQS: Final = 256
+_REMEMBERED_BYTES: Final = 1 << 20
 
 
 # -- configuration -------------------------------------------------------------------------
@@ -340,6 +347,8 @@ class ConsumerStats:
     load_timeouts: int = 0
     duplicate_done: int = 0
     lost_readiness: int = 0  # seq gaps: readiness that never arrived
+    repeated_readiness: int = 0  # a seq seen before (resent or duplicated): never re-read
+    replies_resent: int = 0  # ...answered again from memory
     requests_done: int = 0
     requests_failed: int = 0
     protocol_errors: int = 0
@@ -357,6 +366,8 @@ class _Session:
         "next_seq",
         "peer",
         "refusal",
+        "remembered",
+        "remembered_bytes",
         "state",
         "validated",
     )
@@ -373,6 +384,9 @@ class _Session:
         self.refusal: tuple[ErrorCode, str] = (ErrorCode.UNKNOWN, "")
         # The seq the next v2 readiness must carry (None: not known yet).
         self.next_seq: int | None = None
+        # seq -> the reply it got, or None while it is served (see _REMEMBERED_SEQS).
+        self.remembered: OrderedDict[int, ReadDone | ReadFailed | None] = OrderedDict()
+        self.remembered_bytes = 0
         # (layer_idx, layer_name) -> validated components, or the mismatch.
         self.validated: dict[
             tuple[int, str],
@@ -488,6 +502,13 @@ def _explain(mismatch: LayoutMismatch, tp_ratio: int) -> str:
 
 def _clip(text: str) -> str:
     return text if len(text) <= MAX_TEXT_LEN else text[: MAX_TEXT_LEN - 3] + "..."
+
+
+def _reply_size(reply: ReadDone | ReadFailed) -> int:
+    """About what a remembered reply costs in bytes (its texts and ids dominate)."""
+    if isinstance(reply, ReadFailed):
+        return 64 + len(reply.error or "")
+    return 64 + sum(64 + len(f.ext_req_id) + len(f.message or "") for f in reply.failed or ())
 
 
 def _unique(ids: Iterable[str]) -> list[str]:
@@ -1091,10 +1112,51 @@ class ConsumerEndpoint:
             self._refuse(rd, now, code, f"handshake refused: {text}")
         else:
             assert session is not None
-            if msg.seq is not None and CAP_SEQ in session.caps and self._lost_before(session, msg):
-                self._refuse_after_loss(rd, session, now)
-                return
+            if msg.seq is not None and CAP_SEQ in session.caps:
+                if CAP_RESEND in session.caps:
+                    if self._repeated(rd, session):
+                        return
+                    self._remember(session, msg.seq, None)
+                if self._lost_before(session, msg):
+                    self._refuse_after_loss(rd, session, now)
+                    return
             self._serve(rd, now, allow_park=True)
+
+    def _repeated(self, rd: _Readiness, session: _Session) -> bool:
+        """Whether ``rd`` carries a seq this session sent before (resent after a broken
+        connection came back, or duplicated): then it is answered again from memory, or
+        not at all while its read runs (that read's reply answers both), and never read
+        twice, since the request may have moved on and its blocks with it."""
+        seq = rd.msg.seq
+        assert seq is not None
+        if session.next_seq is None or seq >= session.next_seq:
+            return False
+        self.stats.repeated_readiness += 1
+        reply = session.remembered.get(seq)
+        if reply is not None:
+            self.stats.replies_resent += 1
+            # (the layer as asked: a seq lost in a gap is remembered before its layer is known)
+            self._out.append(
+                Reply(rd.peer, msgspec.structs.replace(reply, layer_idx=rd.msg.layer_idx))
+            )
+        return True
+
+    @staticmethod
+    def _remember(session: _Session, seq: int, reply: ReadDone | ReadFailed | None) -> None:
+        """Record ``seq``'s reply (None: being served), within the session's bounds."""
+        remembered = session.remembered
+        old = remembered.get(seq)
+        if old is not None:
+            session.remembered_bytes -= _reply_size(old)
+        remembered[seq] = reply
+        if reply is not None:
+            session.remembered_bytes += _reply_size(reply)
+        while remembered and (
+            len(remembered) > _REMEMBERED_SEQS or session.remembered_bytes > _REMEMBERED_BYTES
+        ):
+            _, evicted = remembered.popitem(last=False)
+            if evicted is not None:
+                session.remembered_bytes -= _reply_size(evicted)
 
     @staticmethod
     def _lost_before(session: _Session, msg: ReadReadyBatch) -> bool:
@@ -1113,14 +1175,21 @@ class ConsumerEndpoint:
     def _refuse_after_loss(self, rd: _Readiness, session: _Session, now: float) -> None:
         """Readiness was lost on a live connection (ZMQ drops queued frames at a high-water
         mark or a reconnect): any request it carried would miss that layer. Fail every
-        request this session has contributed to and every request the message names;
-        the lost message's own storage reopens on Prefill when its lease expires."""
+        request this session has contributed to and every request the message names.
+        The lost message's own storage reopens on Prefill when its lease expires or, toward
+        a Prefill with ``resend``, when the lost seq comes again and gets this failure."""
         msg = rd.msg
         assert msg.seq is not None and session.next_seq is not None
         text = (
             f"readiness seq {session.next_seq}..{msg.seq - 1} from Prefill session "
             f"{session.name!r} never arrived: a layer of its requests is missing"
         )
+        if CAP_RESEND in session.caps:
+            # A lost seq that comes after all (resent, or late from a broken connection) is
+            # answered with this failure, never read: its requests failed here already.
+            for seq in range(max(session.next_seq, msg.seq - _REMEMBERED_SEQS), msg.seq):
+                reply = self._failure_reply(0, seq, ErrorCode.READINESS_LOST, text)
+                self._remember(session, seq, reply)
         session.next_seq = msg.seq + 1
         self.stats.lost_readiness += 1
         carried = [ext for ext, req in self._requests.items() if session.name in req.sessions]
@@ -1454,11 +1523,18 @@ class ConsumerEndpoint:
                 if sum(len(f.ext_req_id) + len(f.message) for f in failed) > _REPLY_TEXT_BUDGET:
                     failed = [FailedRequest(f.ext_req_id, f.code) for f in failed]
             reply = ReadDone(layer_idx=msg.layer_idx, seq=msg.seq, failed=failed)
-        self._out.append(Reply(rd.peer, reply))
+        self._answer(rd, reply)
 
     def _reply_failed(self, rd: _Readiness, code: ErrorCode, text: str) -> None:
-        reply = self._failure_reply(rd.msg.layer_idx, rd.msg.seq, code, text)
+        self._answer(rd, self._failure_reply(rd.msg.layer_idx, rd.msg.seq, code, text))
+
+    def _answer(self, rd: _Readiness, reply: ReadDone | ReadFailed) -> None:
+        """Send ``rd``'s reply, and remember it if its seq is remembered (see _repeated)."""
         self._out.append(Reply(rd.peer, reply))
+        seq = rd.msg.seq
+        session = self._sessions.get(rd.session)
+        if seq is not None and session is not None and seq in session.remembered:
+            self._remember(session, seq, reply)
 
     @staticmethod
     def _failure_reply(layer_idx: int, seq: int | None, code: ErrorCode, text: str) -> ReadFailed:

@@ -250,7 +250,8 @@ class WorldConfig:
     also registered on both sides at time 0, in order). ``budgets`` bounds the faults the
     explorer may inject (``drop`` a Decode->Prefill frame, ``dup`` any frame but a
     readiness, ``abort`` on either side, ``prefill_abort``, ``release`` early,
-    ``read_fail``, ``kill`` an endpoint, and
+    ``read_fail``, ``kill`` an endpoint, ``break`` a connection (everything in flight on
+    it is lost both ways and it comes back: see :meth:`World.break_connection`), and
     ``lose`` a readiness: a fault beyond what the protocol claims to survive, for
     experiments); :mod:`rd2h_protocol.testing` ignores it. ``tick`` (explorer): time moves
     in steps of this many seconds, and only once every due timer fired; use a power of two
@@ -710,6 +711,30 @@ class World:
     def duplicate(self, i: int) -> None:
         """Deliver frame ``i`` twice: a copy joins the end of its connection's queue."""
         self.network.append(self.network[i])
+
+    def breakable(self) -> list[tuple[int, str]]:
+        """(Prefill rank, Decode endpoint) connections with something to lose or resend."""
+        out: list[tuple[int, str]] = []
+        for p, prod in enumerate(self.producers):
+            session = self.ranks[p].session
+            busy = {v.conn for v in prod.publications().values()}
+            for f in self.network:
+                if session in (f.src[1], f.dst[1]):
+                    busy.add(f.dst[1] if f.src[1] == session else f.src[1])
+            out.extend((p, conn) for conn in sorted(busy) if conn in prod.connections())
+        return out
+
+    def break_connection(self, p: int, conn: str) -> None:
+        """The connection between Prefill rank ``p`` and Decode endpoint ``conn`` breaks
+        and ZMQ reconnects it within the runtime's grace (a peer stalled past the
+        heartbeat timeout): every frame in flight on it is lost, both ways, and the
+        producer is told it resumed. Nothing is sent on it in between: the runtime holds
+        no frame back while ZMQ reconnects, so a readiness sent in that window could also
+        overtake the resent ones (a gap Decode fails safely); that is not modelled."""
+        session = self.ranks[p].session
+        self.network = [f for f in self.network if {f.src[1], f.dst[1]} != {session, conn}]
+        self._producer_outputs(p, self.producers[p].connection_resumed(conn, self.now))
+        self._gather()
 
     # -- reads -----------------------------------------------------------------------------
 
@@ -1240,6 +1265,8 @@ class World:
                 acts.append(("prefill_abort", ext))
             if self._budget("abort") and live and not req.decode_aborted:
                 acts.append(("decode_abort", ext))
+        if self._budget("break"):
+            acts.extend(("break", p, conn) for p, conn in self.breakable())
         if self._budget("kill"):
             acts.extend(("kill_decode", e) for e in range(len(self.cfg.engines)))
             acts.extend(("kill_prefill", p) for p in range(self.cfg.p_tp))
@@ -1306,6 +1333,9 @@ class World:
         elif kind == "decode_abort":
             self._spend("abort")
             self.decode_abort(str(action[1]))
+        elif kind == "break":
+            self._spend("break")
+            self.break_connection(_int(action[1]), str(action[2]))
         elif kind == "kill_decode":
             self._spend("kill")
             self.kill_decode(_int(action[1]))
@@ -1949,6 +1979,10 @@ CONFIGS: Final[dict[str, WorldConfig]] = {
     # One Prefill rank, one Decode rank, with faults: a dropped reply and an abort; no
     # reuse ring, so both layers of a step can be outstanding at once.
     "faults": replace(_PEERS, budgets=(("lose", 1), ("drop", 1), ("abort", 1))),
+    # A connection breaks and ZMQ reconnects it (a Decode stalled past the heartbeat
+    # timeout): whatever was in flight on it is lost both ways, and Prefill resends every
+    # unanswered readiness under its seq; Decode answers a seq it saw from memory.
+    "reconnect": replace(_PEERS, budgets=(("break", 1), ("drop", 1), ("lose", 1))),
     # The rendezvous outruns the Decode worker: readiness naming r1 waits in the park
     # while readiness naming r0 alone may be served first (pipelined layers, a Prefill
     # abort).
@@ -1979,15 +2013,17 @@ CONFIGS: Final[dict[str, WorldConfig]] = {
     # A Decode that answers like v1 (no capability): Prefill speaks the v1 shapes to it,
     # with the same two limits.
     "v1-decode": replace(_PEERS, decode_capabilities=(), expect=("S2", "L1")),
-    # A v2 Decode that cannot be told to stop: an expired lease is held until it replies,
-    # and a lost readiness is never answered (Decode reports the gap on the next one,
-    # which Prefill does not act on), so its storage stays held (L1).
+    # A v2 Decode that cannot be told to stop: an expired lease is held until it replies.
+    # The held publication is resent once (Decode serves it, or answers a seq it lost in a
+    # gap from memory); if the Decode dies meanwhile, its storage stays held until the
+    # runtime declares the peer dead, which the model does not do (L1).
     "no-abort": replace(
         _PEERS, decode_capabilities=_without("abort"), budgets=_MANY_FAULTS, expect=("L1",)
     ),
     # A v2 Decode that gets no lease: it may start a read whenever the readiness arrives, so
-    # an expired publication is told (ABORT) but held until the reply; a readiness lost on
-    # the live connection is then never answered (L1, as for no-abort).
+    # an expired publication is told (ABORT) but held until the reply, and resent once to
+    # ask for it; a lost readiness whose answer to that resend is dropped too stays held
+    # (L1).
     "no-lease": replace(_PEERS, decode_capabilities=_without("lease"), expect=("L1",)),
     # v1's own behaviour toward a Decode that can neither be told to stop nor bounded by a
     # lease: the storage reopens at lease expiry while that Decode may still read it.
@@ -2001,7 +2037,17 @@ CONFIGS: Final[dict[str, WorldConfig]] = {
 }
 
 
-_FAULTS: Final = ("drop", "dup", "abort", "prefill_abort", "release", "read_fail", "kill", "lose")
+_FAULTS: Final = (
+    "drop",
+    "dup",
+    "abort",
+    "prefill_abort",
+    "release",
+    "read_fail",
+    "kill",
+    "break",
+    "lose",
+)
 
 
 @dataclass

@@ -103,8 +103,10 @@ INVARIANTS: Final[tuple[Invariant, ...]] = (
             "a readiness lost on a live connection toward a Decode whose storage waits for "
             "its reply (from a v1 Prefill, to a v1 Decode or a v2 one without the abort or "
             "the lease capability) is never answered: its storage stays held until the runtime "
-            "declares the peer dead (a v2 Decode reports the gap with READINESS_LOST on the "
-            "next readiness, which Prefill does not act on)",
+            "declares the peer dead. A v2 Decode with the resend capability answers the one "
+            "resend a held publication makes (it serves a seq it never got, or answers one "
+            "lost in a gap with READINESS_LOST), so there it takes a second fault: that "
+            "answer dropped, or the Decode dead",
         ),
     ),
     Invariant(

@@ -44,7 +44,18 @@ CAP_LEASE: Final = "lease"  # readiness carries lease_ms
 CAP_ABORT: Final = "abort"  # ABORT messages are understood
 CAP_ISOLATE: Final = "isolate"  # per-request failures in READ_DONE
 CAP_RECONNECT: Final = "reconnect"  # UNKNOWN_SESSION triggers a re-handshake
-ALL_CAPABILITIES: Final = (CAP_SEQ, CAP_LEASE, CAP_ABORT, CAP_ISOLATE, CAP_RECONNECT)
+# A readiness may come again under the seq it had (Prefill resends what is unanswered
+# when a broken connection comes back); Decode answers a repeated seq from memory and
+# never reads it twice.
+CAP_RESEND: Final = "resend"
+ALL_CAPABILITIES: Final = (
+    CAP_SEQ,
+    CAP_LEASE,
+    CAP_ABORT,
+    CAP_ISOLATE,
+    CAP_RECONNECT,
+    CAP_RESEND,
+)
 
 # Bounds. A frame larger than this is refused before parsing (ZMQ_MAXMSGSIZE too). The
 # largest real frame is a readiness for a whole unchunked long prompt: 1M tokens in 16-token

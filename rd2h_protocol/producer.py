@@ -81,6 +81,7 @@ from rd2h_protocol.messages import (
     CAP_ABORT,
     CAP_LEASE,
     CAP_RECONNECT,
+    CAP_RESEND,
     CAP_SEQ,
     PROTOCOL_VERSION,
     Abort,
@@ -125,6 +126,7 @@ from rd2h_protocol.producer_machines import (
     EFFECT_RELEASE_HELD,
     EFFECT_REOPEN,
     EFFECT_REQUEUE,
+    EFFECT_RESEND,
     EFFECT_RESET,
     EFFECT_SEND,
     EFFECT_SEND_ABORT,
@@ -147,6 +149,7 @@ from rd2h_protocol.producer_machines import (
     P_LOCAL_CONNECTION_LOST,
     P_LOCAL_RELEASE,
     P_LOCAL_REOPEN_UNSAFE,
+    P_LOCAL_RESEND,
     P_RECV_DONE,
     P_RECV_FAILED,
     P_RECV_UNKNOWN_SESSION,
@@ -372,6 +375,7 @@ class ProducerStats:
     handshake_timeouts: int = 0
     handshakes_refused: int = 0
     replays: int = 0
+    resent: int = 0  # readiness sent again under its seq (a reconnect, a held publication)
 
 
 @dataclass(frozen=True, slots=True)
@@ -720,6 +724,28 @@ class ProducerEndpoint:
         c.refusals, c.retry_at, c.refusal = 0, 0.0, ""
         c.reconnect = c.connected
         self._fail_queued(c, ErrorCode.CONNECTION_LOST, message, out)
+        return out
+
+    def connection_resumed(self, conn: str, now: float) -> list[Output]:
+        """The connection to Decode endpoint ``conn`` broke and came back, to the same peer.
+
+        The runtime calls this when its transport reconnected within the grace it gives a
+        broken connection (ZMQ reconnects by itself; the peer keeps its state). Frames in
+        flight either way may have been lost with the old connection: a readiness that
+        never arrived, or a reply that was sent into it. Every publication still waiting
+        for its reply on ``conn`` is sent again, under the seq it had and in seq order, to
+        a peer with the ``resend`` capability: that peer answers a seq it has served from
+        memory (and reads only one it never received), so nothing is read twice. Toward
+        any other peer nothing is sent; its leases bound the wait. Nor is a live
+        publication whose lease has run out (its lease timer ends it): Decode could start
+        that read after its storage reopened. A held one is (only a reply frees it).
+        Raises :class:`LocalProtocolError` for a name this endpoint never opened.
+        """
+        c = self._conns.get(conn)
+        if c is None:
+            raise LocalProtocolError(f"connection {conn!r} is not a Decode endpoint of ours")
+        out: list[Output] = []
+        self._resend(c, list(c.sent.values()), now, out)
         return out
 
     # -- peer input ------------------------------------------------------------------------
@@ -1110,6 +1136,11 @@ class ProducerEndpoint:
         pub.seq = seq
         pub.sent_at = now
         conn.sent[seq] = pub
+        out.append(Send(conn.name, self._readiness(pub, now)))
+
+    def _readiness(self, pub: _Pub, now: float) -> ReadReadyBatch:
+        """The readiness of ``pub`` as it goes out now (its seq, what is left of its lease)."""
+        conn = pub.conn
         caps = conn.caps
         read_reqs = pub.read_reqs
         done = pub.done_ids
@@ -1119,17 +1150,29 @@ class ProducerEndpoint:
             read_reqs = [r for r in read_reqs if r.ext_req_id in live]
             done = [d for d in done if d in live]
         contributor = conn.contributor
-        msg = ReadReadyBatch(
+        return ReadReadyBatch(
             layer_idx=self._wire_index[pub.layer_idx],
             layer_name=self._layer_names[pub.layer_idx],
             read_reqs=read_reqs,
             done_ext_ids=done,
             group_member_idx=contributor.group_member_idx,
             tp_ratio=contributor.tp_ratio,
-            seq=seq if CAP_SEQ in caps else None,
-            lease_ms=max(0, int((pub.deadline - now) * 1000)) if CAP_LEASE in caps else None,
+            seq=pub.seq if CAP_SEQ in caps else None,
+            lease_ms=_lease_ms_left(pub, now) if CAP_LEASE in caps else None,
         )
-        out.append(Send(conn.name, msg))
+
+    def _resend(self, conn: _Conn, pubs: list[_Pub], now: float, out: list[Output]) -> None:
+        """Send ``pubs`` again under their seqs, in order, if ``conn``'s peer has ``resend``
+        and the connection is ready; skip a live one whose lease has run out."""
+        if CAP_RESEND not in conn.caps or conn.state != CONN_READY_V2:
+            return
+        for pub in pubs:
+            if pub.state != PUB_HELD and CAP_LEASE in conn.caps and _lease_ms_left(pub, now) == 0:
+                continue  # the peer could start it after the lease timer reopened the storage
+            effect, pub.state = LAYER_PUBLICATION.step(pub.state, P_LOCAL_RESEND)
+            assert effect == EFFECT_RESEND
+            self.stats.resent += 1
+            out.append(Send(conn.name, self._readiness(pub, now)))
 
     def _forget_seq(self, pub: _Pub) -> None:
         """Move a publication's seq from the wire map into the bounded history."""
@@ -1342,15 +1385,24 @@ class ProducerEndpoint:
                 # A peer without leases: told to stop, its storage waits for the reply.
                 if ids:
                     self._emit_abort(conn, ids, f"lease of layer {pub.layer_idx} expired", out)
-                return
-            pub.abort_ids = ids
-            self._retry_for_held_aborts(conn, now, out)
+            else:
+                pub.abort_ids = ids
+                self._retry_for_held_aborts(conn, now, out)
+            # Ask for that reply, which alone frees the storage: the readiness may never
+            # have arrived (a peer with ``resend`` serves an unseen seq, now empty, and
+            # answers one it saw, or one lost in a gap, from memory).
+            self._resend(conn, [pub], now, out)
 
     def _mark_expired(self, pub: _Pub) -> None:
         """Tell the publication's gates that its lease ran out (they stay closed)."""
         for s in pub.slots:
             gate = self._gates[s]
             _, gate.state = STORAGE_GATE.step(gate.state, G_TIMER_LEASE_EXPIRED)
+
+
+def _lease_ms_left(pub: _Pub, now: float) -> int:
+    """What is left of ``pub``'s lease, as a readiness carries it (0: run out)."""
+    return max(0, int((pub.deadline - now) * 1000))
 
 
 def _error_code(value: int | None, default: ErrorCode) -> ErrorCode:

@@ -181,8 +181,10 @@ P_TIMER_LEASE_EXPIRED_UNSAFE: Final = "TIMER_LEASE_EXPIRED_UNSAFE"
 P_LOCAL_ABORT_SENT: Final = "LOCAL_ABORT_SENT"
 P_LOCAL_REOPEN_UNSAFE: Final = "LOCAL_REOPEN_UNSAFE"
 P_LOCAL_CONNECTION_LOST: Final = "LOCAL_CONNECTION_LOST"
+P_LOCAL_RESEND: Final = "LOCAL_RESEND"
 
 EFFECT_SEND: Final = "send"
+EFFECT_RESEND: Final = "resend"
 EFFECT_DONE: Final = "done"
 EFFECT_FAIL: Final = "fail"
 EFFECT_REQUEUE: Final = "requeue"
@@ -320,6 +322,15 @@ LAYER_PUBLICATION: Final = MachineSpec(
             "effect": EFFECT_RELEASE_HELD,
         },
         *stay(P_LOCAL_CONNECTION_LOST, [PUB_ORPHANED]),
+        # Sent again under the same seq, to a peer that answers a repeated seq from memory
+        # (and reads only one it never got): every unanswered one when the connection
+        # broke and came back before the heartbeat grace ran out (the same peer: ZMQ
+        # reconnected), since the readiness or its reply may have gone down with it; and a
+        # held one when it is held, to ask for the reply that alone frees its storage
+        # (the readiness may have been lost). A live one only while its lease lasts: past
+        # it, the lease timer reopens the storage, and the peer could still start the read.
+        *stay(P_LOCAL_RESEND, _PUB_SENT, EFFECT_RESEND, conditions=["peer_resend", "lease_left"]),
+        *stay(P_LOCAL_RESEND, [PUB_HELD], EFFECT_RESEND, conditions="peer_resend"),
         {
             "trigger": P_TIMER_LEASE_EXPIRED,
             "source": PUB_ORPHANED,

@@ -130,9 +130,12 @@ class PrefillWorker:
     tell the endpoint (``connection_lost``) so that publications a v1 peer can never answer
     stop holding their storage once their lease has run out. A connection that comes back
     in time (a peer stalled past the heartbeat timeout by a loaded machine) carries on: the
-    DEALER keeps its routing id, so replies to frames of the old connection still arrive;
-    a frame lost with the old connection shows as a gap in the readiness sequence (Decode
-    fails what it could have carried) or as an unanswered publication (its lease expires).
+    DEALER keeps its routing id, and every publication still waiting for its reply is sent
+    again under its seq (``connection_resumed``), so a readiness or a reply lost with the
+    old connection costs nothing; a Decode without the ``resend`` capability gets no
+    resend, and such a publication waits for its lease. A readiness queued by ZMQ during
+    the break can overtake the resent ones: Decode sees a gap and fails what the lost
+    one carried (a loss, never a wrong byte).
     """
 
     def __init__(
@@ -425,14 +428,16 @@ class PrefillWorker:
         conn = event.conn
         if event.kind == "connected":
             broke_at = self._broken.pop(conn, None)
-            if broke_at is not None:
-                self.metrics.reconnects += 1
-                log.info(
-                    "Decode endpoint %s: connection back after %.1f s",
-                    conn,
-                    now - (broke_at - self._grace_s),
-                )
-            return []
+            if broke_at is None:
+                return []
+            self.metrics.reconnects += 1
+            log.info(
+                "Decode endpoint %s: connection back after %.1f s",
+                conn,
+                now - (broke_at - self._grace_s),
+            )
+            # What was in flight may have gone down with the old connection.
+            return self._execute(self._endpoint.connection_resumed(conn, now))
         self.metrics.disconnects += 1
         if not self._declare_dead or conn not in self._endpoint.connections():
             return []

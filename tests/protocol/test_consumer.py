@@ -44,6 +44,7 @@ from rd2h_protocol.layout import (
 from rd2h_protocol.messages import (
     ALL_CAPABILITIES,
     CAP_ABORT,
+    CAP_RESEND,
     CAP_SEQ,
     TAG_ACK_V1,
     TAG_READ_READY_BATCH,
@@ -741,6 +742,75 @@ def test_first_readiness_after_the_handshake_lost_is_detected() -> None:
     outs = send(ep, rrb(1, [rr("r1", [1])], seq=1))  # seq 0 (layer 0) was lost
     assert replies(outs)[0].code == ErrorCode.READINESS_LOST
     assert ep.requests()["r1"] not in ("advertised", "receiving")
+
+
+def test_a_resent_seq_is_answered_from_memory_never_read_twice() -> None:
+    # Prefill resends what is unanswered when a broken connection comes back: the reply
+    # may have been lost, while the request has moved on (its blocks may be Decode's now).
+    ep = endpoint()
+    handshake = meta()
+    handshake.first_seq = 0
+    send(ep, handshake)
+    ep.add_request("r1", [5, 6], [5, 6], 0.0)
+    layer0 = rrb(0, [rr("r1", [1, 2])], seq=0)
+    outs = send(ep, layer0)
+    # Resent while its read runs: nothing now, the read's reply answers both.
+    assert send(ep, layer0) == []
+    (reply,) = replies(finish(ep, outs))
+    assert reply == ReadDone(layer_idx=0, seq=0)
+    # Resent after the reply: the same reply again, no read.
+    outs = send(ep, layer0)
+    assert of(outs, StartRead) == [] and replies(outs) == [reply]
+    # A failure is remembered too (a layer this Decode does not have).
+    unknown = rrb(NUM_LAYERS, [rr("r1", [1])], seq=1)
+    (refusal,) = replies(send(ep, unknown))
+    assert replies(send(ep, unknown)) == [refusal]
+    assert ep.stats.repeated_readiness == 3 and ep.stats.replies_resent == 2
+    assert ep.stats.reads_started == 1
+
+
+def test_a_lost_seq_that_comes_after_all_gets_the_loss_and_frees_prefill() -> None:
+    # Seq 1 is lost; seq 2 reveals the gap (r1 fails). When seq 1 comes after all (resent,
+    # or late from the old connection), it is answered with the loss, never read: the
+    # reply is what frees the storage on a Prefill that holds it until then.
+    ep = endpoint()
+    handshake = meta()
+    handshake.first_seq = 0
+    send(ep, handshake)
+    ep.add_request("r1", [5, 6], [5, 6], 0.0)
+    finish(ep, send(ep, rrb(0, [rr("r1", [1, 2])], seq=0)))
+    assert replies(send(ep, rrb(LAST, [rr("r1", [1, 2])], done=["r1"], seq=2)))[0].seq == 2
+    outs = send(ep, rrb(1, [rr("r1", [1, 2])], seq=1))
+    assert of(outs, StartRead) == []
+    (reply,) = replies(outs)
+    assert isinstance(reply, ReadFailed)
+    assert (reply.layer_idx, reply.seq, reply.code) == (1, 1, ErrorCode.READINESS_LOST)
+    assert "seq 1..1" in reply.error
+
+
+def test_memory_of_seqs_is_bounded_and_a_huge_gap_costs_nothing() -> None:
+    ep = endpoint()
+    handshake = meta()
+    handshake.first_seq = 0
+    send(ep, handshake)
+    ep.add_request("r1", [5], [5], 0.0)
+    send(ep, rrb(0, [rr("r1", [1])], seq=(1 << 62)))  # a gap of 2**62 seqs
+    (session,) = ep._sessions.values()
+    assert len(session.remembered) <= 257
+    assert session.remembered_bytes <= 1 << 20
+
+
+def test_without_the_resend_capability_a_repeated_seq_is_served_again() -> None:
+    # (the behaviour toward a Prefill that never resends: a repeat is a fresh readiness)
+    ep = endpoint(capabilities=[c for c in ALL_CAPABILITIES if c != CAP_RESEND])
+    handshake = meta()
+    handshake.first_seq = 0
+    send(ep, handshake)
+    ep.add_request("r1", [5], [5], 0.0)
+    layer0 = rrb(0, [rr("r1", [1])], seq=0)
+    finish(ep, send(ep, layer0))
+    assert of(send(ep, layer0), StartRead)
+    assert ep.stats.repeated_readiness == 0
 
 
 def test_v1_prefill_and_v2_without_first_seq_keep_working() -> None:

@@ -26,6 +26,7 @@ from rd2h_protocol.messages import (
     ALL_CAPABILITIES,
     CAP_LEASE,
     CAP_RECONNECT,
+    CAP_RESEND,
     CAP_SEQ,
     Abort,
     Ack,
@@ -949,6 +950,17 @@ def test_lease_expiry_toward_a_peer_without_leases_aborts_but_holds_until_the_re
     out = ep.handle_timer(31.0)
     (abort,) = sends(out, Abort)
     assert abort.ext_ids == ["r1"]
+    # ...and asks for that reply: the readiness again under its seq, naming nobody now
+    # (the peer answers a seq it saw from memory; one it never got it serves empty).
+    (again,) = readiness(out)
+    assert (again.seq, again.layer_idx, again.read_reqs, again.done_ext_ids) == (
+        m0.seq,
+        m0.layer_idx,
+        [],
+        [],
+    )
+    assert [type(m).__name__ for m in sends(out)] == ["Abort", "ReadReadyBatch"]
+    assert ep.stats.resent == 1
     assert opened(out) == []
     r1 = finished(out)["r1"]
     assert (r1.ok, r1.code) == (False, ErrorCode.LEASE_EXPIRED)
@@ -958,6 +970,45 @@ def test_lease_expiry_toward_a_peer_without_leases_aborts_but_holds_until_the_re
     assert opened(out) == [0, 1]
     assert ep.is_idle()
     assert ep.stats.aborts_sent == 1
+
+
+def test_resumed_connection_resends_what_is_unanswered_under_the_same_seqs() -> None:
+    ep = endpoint(3)
+    m0, m1, m2 = one_request_ready(ep)
+    ep.receive(CONN, done(m0), 2.0)
+    out = ep.connection_resumed(CONN, 11.0)
+    assert [(m.seq, m.layer_idx, m.read_reqs, m.done_ext_ids) for m in readiness(out)] == [
+        (m.seq, m.layer_idx, m.read_reqs, m.done_ext_ids) for m in (m1, m2)
+    ]
+    assert {m.lease_ms for m in readiness(out)} == {20_000}  # what is left of 30 s
+    assert ep.stats.resent == 2
+    # Replies to either copy count once; a second one is a duplicate.
+    ep.receive(CONN, done(m1), 12.0)
+    out = ep.receive(CONN, done(m2), 12.0)
+    assert finished(out)["r1"].ok
+    assert ep.receive(CONN, done(m2), 12.5) == []
+    assert ep.stats.duplicate_replies == 1
+    assert ep.is_idle()
+
+
+def test_resumed_connection_resends_nothing_the_peer_cannot_answer_from_memory() -> None:
+    ep = endpoint(2)
+    one_request_ready(ep, ack_v2([c for c in ALL_CAPABILITIES if c != CAP_RESEND]))
+    assert ep.connection_resumed(CONN, 2.0) == []
+    ep = endpoint(2)
+    one_request_ready(ep, ACK_V1_FRAME)
+    assert ep.connection_resumed(CONN, 2.0) == []
+    assert ep.stats.resent == 0
+
+
+def test_resumed_connection_leaves_a_lease_that_ran_out_to_its_timer() -> None:
+    # Resent with nothing left of its lease, the readiness could be read after the lease
+    # timer reopened the storage.
+    ep = endpoint(1)
+    one_request_ready(ep)
+    assert ep.connection_resumed(CONN, 31.0) == []  # deadline 31.0
+    with pytest.raises(LocalProtocolError, match="not a Decode endpoint"):
+        ep.connection_resumed("127.0.0.1:1", 31.0)
 
 
 def test_held_publication_is_freed_by_a_failure_reply_too() -> None:
