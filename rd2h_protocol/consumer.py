@@ -62,7 +62,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, Final, TypeAlias
 
@@ -147,6 +147,7 @@ from rd2h_protocol.messages import (
     CAP_SEQ,
     MAX_BLOCKS_PER_REQUEST,
     MAX_FRAME_BYTES,
+    MAX_NAME_LEN,
     MAX_REQUESTS_PER_BATCH,
     MAX_TEXT_LEN,
     PROTOCOL_VERSION,
@@ -642,39 +643,87 @@ def _with_entries(shell: ReadReadyBatch, entries: list[ReadReq]) -> ReadReadyBat
     return ReadReadyBatch(read_reqs=entries, **fields)
 
 
-def _as_int(value: object, high: int) -> int | None:
-    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= high:
-        return value
-    return None
+class _ReadinessFields(msgspec.Struct, array_like=True):
+    """A readiness's fields as raw msgpack, each parsed only when needed (see
+    :func:`_identify_readiness`); trailing fields beyond these are skipped unparsed."""
+
+    kind: bytes
+    layer_idx: msgspec.Raw
+    layer_name: msgspec.Raw = msgspec.Raw()
+    read_reqs: msgspec.Raw = msgspec.Raw()
+    done_ext_ids: msgspec.Raw = msgspec.Raw()
+    group_member_idx: msgspec.Raw = msgspec.Raw()
+    tp_ratio: msgspec.Raw = msgspec.Raw()
+    seq: msgspec.Raw = msgspec.Raw()
+
+
+class _NamedEntry(msgspec.Struct, array_like=True):
+    """A read_reqs entry's request id; the rest of the entry is skipped unparsed."""
+
+    ext_req_id: Annotated[str, msgspec.Meta(max_length=MAX_NAME_LEN)]
+
+
+_FIELDS_DECODER: Final = msgspec.msgpack.Decoder(_ReadinessFields)
+_RAW_LIST_DECODER: Final = msgspec.msgpack.Decoder(
+    Annotated[list[msgspec.Raw], msgspec.Meta(max_length=MAX_REQUESTS_PER_BATCH)]
+)
+_ENTRY_DECODER: Final = msgspec.msgpack.Decoder(_NamedEntry)
+_NAME_DECODER: Final = msgspec.msgpack.Decoder(
+    Annotated[str, msgspec.Meta(max_length=MAX_NAME_LEN)]
+)
+
+
+def _raw_int(raw: msgspec.Raw, high: int) -> int | None:
+    try:
+        value = msgspec.msgpack.decode(raw, type=int)
+    except Exception:
+        return None
+    return value if 0 <= value <= high else None
+
+
+def _raw_names(raw: msgspec.Raw, entry: Callable[[msgspec.Raw], str]) -> list[str]:
+    """The names in a raw list, one per entry that holds one; none from a list that is
+    not a list or longer than a batch may be (it is not parsed further)."""
+    try:
+        items = _RAW_LIST_DECODER.decode(raw)
+    except Exception:
+        return []
+    names = []
+    for item in items:
+        try:
+            names.append(entry(item))
+        except Exception:
+            continue
+    return names
 
 
 def _identify_readiness(frame: bytes) -> tuple[int, int | None, list[str]] | None:
     """Read ``(layer_idx, seq, request ids)`` from a readiness that failed typed decoding.
 
     Returns ``None`` when the frame is not a readiness or those fields are unreadable
-    (then no reply can be correlated with it and it is dropped).
+    (then no reply can be correlated with it and it is dropped). Never more work than the
+    bounded codec does: the fields are parsed only as far as they are needed, entries
+    are skipped unparsed, and ids come only from lists within a batch's bound, so a
+    hostile frame costs a scan of its bytes, never a tree of Python objects.
     """
     if len(frame) > MAX_FRAME_BYTES:
         return None
     try:
-        obj = msgspec.msgpack.decode(frame)
-    except Exception:  # not msgpack at all, or nesting too deep
+        fields = _FIELDS_DECODER.decode(frame)
+    except Exception:  # not msgpack, not an array headed by bin, or nesting too deep
         return None
-    if not isinstance(obj, list) or len(obj) < 2 or obj[0] != TAG_READ_READY_BATCH:
+    if fields.kind != TAG_READ_READY_BATCH:
         return None
-    layer_idx = _as_int(obj[1], _U32)
+    layer_idx = _raw_int(fields.layer_idx, _U32)
     if layer_idx is None:
         return None
     seq: int | None = None
-    if len(obj) > 7:
-        seq = _as_int(obj[7], _SEQ_MAX)
+    if len(fields.seq):
+        seq = _raw_int(fields.seq, _SEQ_MAX)
         if seq is None:  # a seq we cannot echo cannot be correlated
             return None
-    ids: list[str] = []
-    if len(obj) > 3 and isinstance(obj[3], list):
-        ids.extend(e[0] for e in obj[3] if isinstance(e, list) and e and isinstance(e[0], str))
-    if len(obj) > 4 and isinstance(obj[4], list):
-        ids.extend(e for e in obj[4] if isinstance(e, str))
+    ids = _raw_names(fields.read_reqs, lambda item: _ENTRY_DECODER.decode(item).ext_req_id)
+    ids += _raw_names(fields.done_ext_ids, _NAME_DECODER.decode)
     return layer_idx, seq, _unique(ids)
 
 

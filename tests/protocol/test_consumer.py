@@ -1429,6 +1429,38 @@ def test_oversized_frame_is_dropped() -> None:
     assert ep.stats.dropped == 1
 
 
+@pytest.mark.parametrize("where", ["entries", "ids", "entry"])
+def test_a_refused_frame_costs_no_more_than_the_bounded_codec(where: str) -> None:
+    # Issue: a 16 MiB frame the codec refuses at once was then decoded untyped to find
+    # its layer and ids: seconds of CPU and a GB of Python objects per frame, on the I/O
+    # thread. Now the fields are scanned, not built: memory stays flat.
+    import tracemalloc
+
+    ep = ready()
+    ep.add_request("r1", [0], [0], 0.0)
+    n = 1_500_000
+    if where == "entries":  # far more entries than a batch may hold
+        fields = [[["r1", [1]] for _ in range(n)], []]
+    elif where == "ids":  # far more done ids than a batch may hold
+        fields = [[], ["r1"] * n]
+    else:  # one entry with far more block ids than a request may have
+        fields = [[["r1", list(range(n)), [0], 0, 0]], []]
+    frame = _raw([TAG_READ_READY_BATCH, 1, LAYER_NAMES[1], *fields, 0, 1, 9])
+    assert 4 << 20 < len(frame) <= 16 << 20
+    tracemalloc.start()
+    try:
+        outs = ep.receive_frame(PEER, frame, 0.0)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20, f"{peak} bytes"
+    (reply,) = replies(outs)
+    assert isinstance(reply, ReadFailed) and (reply.layer_idx, reply.seq) == (1, 9)
+    # The named request fails where its name could be read within the bounds.
+    failed = [o.ext_req_id for o in outs if isinstance(o, RequestFailed)]
+    assert failed == (["r1"] if where == "entry" else [])
+
+
 def test_identify_with_non_list_entries() -> None:
     ep = ready()
     ep.add_request("r1", [0], [0], 0.0)
