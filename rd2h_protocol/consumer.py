@@ -205,10 +205,22 @@ class ConsumerConfig:
     Prefill's MF_META ``compat`` (when both are set); a mismatch refuses the handshake.
     ``kv_load_timeout_s``: a request waiting for KV with no progress for that long fails.
     ``max_parked`` / ``park_timeout_s`` bound the readiness (and aborts) kept for requests
-    not known yet. ``max_read_retries``: retries of a batched read that failed with a
+    not known yet, and so do ``max_parked_ids`` (what they hold, counted in request and
+    block ids: 54 bytes each once decoded, measured; the default 2M ids keep about
+    110 MB) and ``max_parked_ids_per_session`` (one
+    Prefill session's share of it, so that a flood from one peer leaves room for the
+    others); a readiness beyond a bound is served at once, its unknown requests failing
+    alone. ``max_read_retries``: retries of a batched read that failed with a
     transient error. ``max_retired``: how many recently finished request ids are
     remembered, so a late readiness for them is refused at once instead of parked.
-    ``max_sessions``: Prefill sessions kept (the oldest handshake is forgotten first).
+    ``max_sessions``: Prefill sessions kept (the oldest handshake is forgotten first);
+    ``max_session_bytes`` bounds the layouts they keep (counted as the bytes of their
+    encoded MF_META layouts; the decoded form costs 4.3 times that, measured for a
+    4096-layer layout, so the default 64 MiB keeps about 280 MB; a 61-layer layout
+    encodes in about 10 KB) and
+    ``max_session_bytes_per_peer`` what the sessions one connection opened keep: beyond
+    it that connection's oldest sessions are forgotten, nobody else's. A forgotten
+    session's Prefill (v2) is told UNKNOWN_SESSION and hand-shakes again.
     ``main_shared``: the main destinations are one pool shared by the Decode TP ranks
     (vllm-ascend's SparseKVOffloadManager, a TP-shared host pool), so each rank reads a
     disjoint share of the main blocks; False when every rank has its own full main KV
@@ -226,6 +238,10 @@ class ConsumerConfig:
     max_read_retries: int = 1
     max_retired: int = 16384
     max_sessions: int = 4096
+    max_session_bytes: int = 64 << 20
+    max_session_bytes_per_peer: int = 4 << 20
+    max_parked_ids: int = 1 << 21
+    max_parked_ids_per_session: int = 1 << 19
     main_shared: bool = True
 
     def __post_init__(self) -> None:
@@ -244,7 +260,15 @@ class ConsumerConfig:
         for name in ("kv_load_timeout_s", "park_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in ("max_parked", "max_read_retries", "max_retired"):
+        for name in (
+            "max_parked",
+            "max_read_retries",
+            "max_retired",
+            "max_session_bytes",
+            "max_session_bytes_per_peer",
+            "max_parked_ids",
+            "max_parked_ids_per_session",
+        ):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.max_sessions < 1:
@@ -353,6 +377,8 @@ class ConsumerStats:
     requests_done: int = 0
     requests_failed: int = 0
     protocol_errors: int = 0
+    sessions_forgotten: int = 0  # beyond max_sessions or a byte budget
+    park_budget_refusals: int = 0  # beyond max_parked_ids(_per_session)
 
 
 # -- internal records ----------------------------------------------------------------------
@@ -363,8 +389,10 @@ class _Session:
         "caps",
         "id_bound",
         "layers",
+        "layout_bytes",
         "name",
         "next_seq",
+        "origin",
         "peer",
         "refusal",
         "remembered",
@@ -373,10 +401,12 @@ class _Session:
         "validated",
     )
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, origin: bytes) -> None:
         self.name = name
         self.state = SESSION_UNBOUND
         self.peer: bytes | None = None
+        self.origin = origin  # the connection that opened it (its budget pays for it)
+        self.layout_bytes = 0  # its encoded layout's size (see max_session_bytes)
         self.caps: frozenset[str] = frozenset()
         self.layers: dict[str, LayerLayout] = {}
         # Every Prefill block id of the layout lies below this (None: a layout without
@@ -470,11 +500,12 @@ class _Readiness:
 
 
 class _ParkedAbort:
-    __slots__ = ("deadline", "missing", "park_id", "reason", "session")
+    __slots__ = ("cost", "deadline", "missing", "park_id", "reason", "session")
 
     def __init__(self, session: str, missing: set[str], reason: str, deadline: float) -> None:
         self.session = session
         self.missing = missing
+        self.cost = len(missing)  # fixed: ``missing`` shrinks while it is parked
         self.reason = reason
         self.deadline = deadline
         self.park_id = 0
@@ -503,6 +534,18 @@ def _explain(mismatch: LayoutMismatch, tp_ratio: int) -> str:
 
 def _clip(text: str) -> str:
     return text if len(text) <= MAX_TEXT_LEN else text[: MAX_TEXT_LEN - 3] + "..."
+
+
+def _park_cost(item: _Readiness | _ParkedAbort) -> int:
+    """What a parked item holds, in ids: its request ids and, for a readiness, every
+    block id of its entries (fixed while parked: ``missing`` only shrinks, and the
+    message never changes)."""
+    if isinstance(item, _ParkedAbort):
+        return item.cost
+    msg = item.msg
+    return len(msg.done_ext_ids) + sum(
+        1 + len(r.main_block_ids) + len(r.indexer_block_ids or ()) for r in msg.read_reqs
+    )
 
 
 def _reply_size(reply: ReadDone | ReadFailed) -> int:
@@ -757,6 +800,10 @@ class ConsumerEndpoint:
         self._deadlines: OrderedDict[str, float] = OrderedDict()
         self._reads: dict[int, _Readiness] = {}
         self._parked: dict[int, _Parked] = {}
+        self._parked_ids = 0  # what the parked items hold, in ids (see max_parked_ids)
+        self._parked_ids_by_session: dict[str, int] = {}
+        self._session_bytes = 0  # encoded layout bytes of the sessions kept
+        self._session_bytes_by_origin: dict[bytes, int] = {}
         self._waiting: dict[str, set[int]] = {}  # unknown request id -> parked ids
         self._retired: OrderedDict[str, None] = OrderedDict()
         self._next_read_id = 1
@@ -1061,6 +1108,8 @@ class ConsumerEndpoint:
         session.layers = layers
         session.id_bound = _id_bound(layers)
         self._entry_cache.pop(session.name, None)
+        self._account_layout(session, len(msg.encoded_layer_metadata) if layers else 0)
+        self._enforce_session_budgets(session)
         session.caps = frozenset(msg.capabilities or ()) & self._caps if v2 else frozenset()
         session.next_seq = msg.first_seq if v2 else None
         if effect == EFFECT_ACK_V1:
@@ -1087,12 +1136,10 @@ class ConsumerEndpoint:
         """The session ``name``, now reached through ``peer`` (created if new)."""
         session = self._sessions.get(name)
         if session is None:
-            session = _Session(name)
+            session = _Session(name, peer)
             self._sessions[name] = session
             while len(self._sessions) > self.config.max_sessions:
-                _, old = self._sessions.popitem(last=False)
-                if old.peer is not None:
-                    self._peers.pop(old.peer, None)
+                self._forget_session(next(iter(self._sessions)))
         else:
             self._sessions.move_to_end(name)
         # Invariant: every (peer -> name) in _peers has sessions[name].peer == peer.
@@ -1104,6 +1151,45 @@ class ConsumerEndpoint:
         session.peer = peer
         self._peers[peer] = name
         return session
+
+    def _forget_session(self, name: str) -> None:
+        """Drop session ``name`` and what it keeps; its Prefill learns UNKNOWN_SESSION."""
+        old = self._sessions.pop(name)
+        if old.peer is not None:
+            self._peers.pop(old.peer, None)
+        self._entry_cache.pop(name, None)
+        self._account_layout(old, 0)
+        self.stats.sessions_forgotten += 1
+
+    def _account_layout(self, session: _Session, size: int) -> None:
+        """Set what ``session``'s layout counts against the session byte budgets."""
+        delta = size - session.layout_bytes
+        session.layout_bytes = size
+        self._session_bytes += delta
+        left = self._session_bytes_by_origin.get(session.origin, 0) + delta
+        if left:
+            self._session_bytes_by_origin[session.origin] = left
+        else:
+            self._session_bytes_by_origin.pop(session.origin, None)
+
+    def _enforce_session_budgets(self, keep: _Session) -> None:
+        """Forget the oldest sessions beyond the byte budgets, never ``keep``: first those
+        ``keep``'s connection opened (its budget), then anyone's (the total)."""
+        origin = keep.origin
+        if self._session_bytes_by_origin.get(origin, 0) > self.config.max_session_bytes_per_peer:
+            for name in [n for n, s in self._sessions.items() if s.origin == origin]:
+                if (
+                    name == keep.name
+                    or self._session_bytes_by_origin.get(origin, 0)
+                    <= self.config.max_session_bytes_per_peer
+                ):
+                    break
+                self._forget_session(name)
+        while self._session_bytes > self.config.max_session_bytes:
+            oldest = next(iter(self._sessions))
+            if oldest == keep.name:
+                break
+            self._forget_session(oldest)
 
     def _session_of(self, peer: bytes) -> _Session | None:
         name = self._peers.get(peer)
@@ -1613,6 +1699,16 @@ class ConsumerEndpoint:
         if len(self._parked) >= self.config.max_parked:
             self.stats.park_overflow += 1
             return False
+        cost = _park_cost(item)
+        mine = self._parked_ids_by_session.get(item.session, 0) + cost
+        if (
+            self._parked_ids + cost > self.config.max_parked_ids
+            or mine > self.config.max_parked_ids_per_session
+        ):
+            self.stats.park_budget_refusals += 1
+            return False
+        self._parked_ids += cost
+        self._parked_ids_by_session[item.session] = mine
         item.park_id = self._next_park_id
         self._next_park_id += 1
         self._parked[item.park_id] = item
@@ -1623,6 +1719,13 @@ class ConsumerEndpoint:
 
     def _unpark(self, item: _Parked) -> None:
         del self._parked[item.park_id]
+        cost = _park_cost(item)
+        self._parked_ids -= cost
+        left = self._parked_ids_by_session[item.session] - cost
+        if left:
+            self._parked_ids_by_session[item.session] = left
+        else:
+            del self._parked_ids_by_session[item.session]
         for ext in item.missing:  # every id still missing is indexed in _waiting
             waiting = self._waiting[ext]
             waiting.discard(item.park_id)

@@ -916,6 +916,54 @@ def test_unknown_request_parked_then_served_when_added() -> None:
     assert ep.parked() == {} and ep.stats.parked == 2
 
 
+def test_a_session_flooding_the_park_leaves_room_for_the_others() -> None:
+    # Issue 12: 150 readiness frames naming 16,384 unknown requests each cost 13 MB apiece
+    # within max_parked. Now the park holds at most a session's share of ids.
+    import tracemalloc
+
+    ep = endpoint(max_parked_ids=40_000, max_parked_ids_per_session=20_000)
+    send(ep, meta("bad"), peer=b"bad")
+    send(ep, meta("good"), peer=b"good")
+    flood = [rr(f"x{i}", [1]) for i in range(5_000)]  # 3 ids per entry: 15,000 ids
+    tracemalloc.start()
+    try:
+        for seq in range(20):
+            outs = send(ep, rrb(0, flood, seq=seq), peer=b"bad")
+        held, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert len(ep.parked()) == 1  # its share: one such message; the others served at once
+    (reply,) = replies(outs)
+    assert isinstance(reply, ReadDone) and len(reply.failed or []) == 5_000
+    assert ep.stats.park_budget_refusals == 19
+    assert held < 8 << 20, f"{held} bytes held"
+    # The good session still parks what outran its Decode request, and is served.
+    assert send(ep, rrb(0, [rr("g1", [7])], seq=0), peer=b"good") == []
+    outs = ep.add_request("g1", [9], [9], 0.0)
+    assert [s.plan.session for s in of(outs, StartRead)] == ["good"]
+
+
+def test_sessions_one_connection_opens_are_bounded_in_bytes() -> None:
+    # Issue 12: 300 handshakes from one connection, each a new session with a big layout,
+    # were all kept. Now that connection's oldest sessions go; nobody else's.
+    names = [f"model.layers.{i}.self_attn" for i in range(64)]
+    big = {name: src_layout() for name in names}
+    one = len(encode_layer_metadata(big))
+    ep = endpoint(max_session_bytes_per_peer=4 * one, max_session_bytes=64 * one)
+    send(ep, meta("good"), peer=b"good")
+    for i in range(100):
+        send(ep, meta(f"s{i}", layouts=big), peer=b"bad")
+    sessions = ep.sessions()
+    assert "good" in sessions
+    assert sorted(n for n in sessions if n != "good") == ["s96", "s97", "s98", "s99"]
+    assert ep.stats.sessions_forgotten == 96
+    # Many connections at once: the total holds, the oldest go first.
+    for i in range(80):
+        send(ep, meta(f"m{i}", layouts=big), peer=f"peer{i}".encode())
+    assert sum(1 for n in ep.sessions() if n.startswith(("m", "s"))) <= 64
+    assert "m79" in ep.sessions() and "good" not in ep.sessions()
+
+
 def test_parked_message_waits_for_all_its_requests() -> None:
     ep = ready()
     send(ep, rrb(0, [rr("a", [1]), rr("b", [2])], seq=1))
