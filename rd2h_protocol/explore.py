@@ -169,6 +169,7 @@ from rd2h_protocol.messages import (
 from rd2h_protocol.plan import ComponentAddrs, ReadPlan
 from rd2h_protocol.producer import (
     DecodeTarget,
+    Disconnect,
     ProducerConfig,
     ProducerEndpoint,
     ProducerStats,
@@ -264,7 +265,8 @@ class WorldConfig:
 
     Peers: ``prefill_protocol`` is every Prefill rank's ``ProducerConfig.protocol`` ("v1"
     speaks v1 on the wire: no seq, no lease, no ABORT), ``v1_lease_expiry`` its
-    ``ProducerConfig.v1_lease_expiry``, and ``decode_capabilities`` every Decode rank's
+    ``ProducerConfig.v1_lease_expiry`` (``silent_peer_timeout_s`` its own, off here by
+    default so that "hold" is proved as such), and ``decode_capabilities`` every Decode rank's
     ``ConsumerConfig.capabilities``. A Decode without ``abort`` is never told to stop,
     one without ``lease`` gets readiness without a lease (it may start a read at any
     time), one without ``seq`` gets readiness without seq (a lost one goes unnoticed).
@@ -302,6 +304,7 @@ class WorldConfig:
     prefill_protocol: ProtocolChoice = "v2"
     v1_lease_expiry: V1LeaseExpiry = "hold"
     decode_capabilities: tuple[str, ...] = ALL_CAPABILITIES
+    silent_peer_timeout_s: float | None = None
     expect: tuple[str, ...] = ()
 
 
@@ -503,6 +506,7 @@ class World:
                 handshake_timeout_s=self.cfg.handshake_timeout_s,
                 protocol=self.cfg.prefill_protocol,
                 v1_lease_expiry=self.cfg.v1_lease_expiry,
+                silent_peer_timeout_s=self.cfg.silent_peer_timeout_s,
             )
         assert isinstance(config, ProducerConfig)
         return ProducerEndpoint(config)
@@ -1009,6 +1013,10 @@ class World:
                         _frame_kind(msg),
                     )
                 )
+            elif isinstance(o, Disconnect):
+                # A fresh DEALER: nothing of the old connection arrives any more.
+                conn = o.conn
+                self.network = [f for f in self.network if {f.src[1], f.dst[1]} != {session, conn}]
             elif isinstance(o, RequestFinished):
                 key = (session, o.ext_req_id)
                 if key in self._prefill_finished:
@@ -2025,6 +2033,12 @@ CONFIGS: Final[dict[str, WorldConfig]] = {
     # ask for it; a lost readiness whose answer to that resend is dropped too stays held
     # (L1).
     "no-lease": replace(_PEERS, decode_capabilities=_without("lease"), expect=("L1",)),
+    # A Decode that answers like v1, declared dead once it held storage and stayed silent
+    # for silent_peer_timeout_s: no storage is held for good (L1), at the price stated in
+    # the invariants: a Decode that is slow rather than dead may read reused storage (S1).
+    "silent-v1-decode": replace(
+        _PEERS, decode_capabilities=(), silent_peer_timeout_s=1.0, expect=("S1", "S2")
+    ),
     # v1's own behaviour toward a Decode that can neither be told to stop nor bounded by a
     # lease: the storage reopens at lease expiry while that Decode may still read it.
     "reopen": replace(

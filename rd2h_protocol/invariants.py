@@ -48,11 +48,19 @@ INVARIANTS: Final[tuple[Invariant, ...]] = (
             "a Decode never starts a read after it replied for that readiness, nor after "
             "it received an ABORT for its requests (v2) or half the lease passed since receipt",
             "replies are matched by seq toward v2 peers, by layer toward v1 peers",
-            "the runtime declares a peer dead only once its connection is gone",
+            "the runtime declares a peer dead only once its connection is gone, or once it "
+            "sent nothing at all for silent_peer_timeout_s while it held storage",
         ),
         (
             'v1_lease_expiry="reopen" toward a v1 Decode: the gate reopens at lease expiry '
             "while that peer may still be reading (v1's own behaviour, off by default)",
+            "a Decode that cannot be told to stop (v1, or a v2 one without abort or lease) "
+            "and sends nothing for silent_peer_timeout_s (30 s) after a lease (30 s) ran "
+            "out is declared dead and the storage it held reopens: if it was slow rather "
+            "than dead, a read it starts after that reads reused storage. The price of L1: "
+            "without it one such peer holds every storage it was sent for as long as libzmq "
+            "keeps its connection, and stalls every other peer (silent_peer_timeout_s=None "
+            "keeps S1 and gives up L1 instead)",
         ),
     ),
     Invariant(
@@ -97,9 +105,9 @@ INVARIANTS: Final[tuple[Invariant, ...]] = (
             "a peer that stops answering is eventually declared dead by the runtime",
         ),
         (
-            "a v1 Decode that keeps its connection (libzmq answers heartbeats for it) but "
-            "never replies holds every gate it was sent, with the default "
-            'v1_lease_expiry="hold", for as long as it stays connected',
+            "with silent_peer_timeout_s=None, a v1 Decode that keeps its connection (libzmq "
+            "answers heartbeats for it) but never replies holds every gate it was sent, "
+            'with v1_lease_expiry="hold", for as long as it stays connected',
             "a readiness lost on a live connection toward a Decode whose storage waits for "
             "its reply (from a v1 Prefill, to a v1 Decode or a v2 one without the abort or "
             "the lease capability) is never answered: its storage stays held until the runtime "

@@ -190,6 +190,7 @@ __all__ = [
     "PRODUCER_MACHINES",
     "Connect",
     "DecodeTarget",
+    "Disconnect",
     "GateOpened",
     "Output",
     "ProducerConfig",
@@ -234,6 +235,16 @@ class ProducerConfig:
     "reopen" reopens at once as v1 did, which is UNSAFE (the peer may still be reading).
     A refused handshake is tried again by the first publication ``refused_retry_s`` after
     the refusal; the wait doubles per consecutive refusal, up to ``refused_retry_max_s``.
+
+    ``silent_peer_timeout_s``: a held publication whose connection has sent nothing at all
+    for this long since it was held gets its peer declared dead, as the runtime's
+    heartbeat would (:class:`Disconnect`, then :meth:`ProducerEndpoint.connection_lost`):
+    its storage reopens. libzmq answers heartbeats for a v1 Decode that never replies, so
+    without this one silent peer holds every storage it was sent, and stalls every other
+    peer's requests behind it. The trade-off (stated in ``specs/invariants.md``, S1): a
+    peer that cannot be told, alive but silent for a lease plus this long, may still be
+    reading storage that is then reused. ``None`` holds for as long as the connection
+    lasts.
     """
 
     p_rank: int
@@ -249,6 +260,7 @@ class ProducerConfig:
     v1_lease_expiry: V1LeaseExpiry = "hold"
     refused_retry_s: float = 30.0
     refused_retry_max_s: float = 600.0
+    silent_peer_timeout_s: float | None = 30.0
 
     def __post_init__(self) -> None:
         if not self.layers:
@@ -280,6 +292,10 @@ class ProducerConfig:
                 f"refused_retry_max_s: expected >= refused_retry_s ({self.refused_retry_s}), "
                 f"got {self.refused_retry_max_s}"
             )
+        if self.silent_peer_timeout_s is not None and not self.silent_peer_timeout_s > 0:
+            raise ConfigError(
+                f"silent_peer_timeout_s: expected > 0 or None, got {self.silent_peer_timeout_s}"
+            )
         # Fail on a bad rank now, not at the first request.
         map_prefill_rank(self.p_rank, self.p_tp, 1)
 
@@ -300,6 +316,14 @@ class Connect:
     conn: str
     host: str
     port: int
+
+
+@dataclass(frozen=True, slots=True)
+class Disconnect:
+    """Close the control connection ``conn`` for good (its peer was declared dead); a
+    later :class:`Connect` opens a new one, so that nothing of the old one arrives late."""
+
+    conn: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -347,7 +371,7 @@ class LayerReplied:
     ok: bool
 
 
-Output: TypeAlias = Connect | Send | RequestFinished | GateOpened | LayerReplied
+Output: TypeAlias = Connect | Disconnect | Send | RequestFinished | GateOpened | LayerReplied
 
 
 @dataclass(slots=True)
@@ -376,6 +400,7 @@ class ProducerStats:
     handshakes_refused: int = 0
     replays: int = 0
     resent: int = 0  # readiness sent again under its seq (a reconnect, a held publication)
+    silent_peers: int = 0  # declared dead: nothing heard while they held storage
 
 
 @dataclass(frozen=True, slots=True)
@@ -425,6 +450,7 @@ class _Conn:
     retry_at: float = 0.0  # a refused connection is tried again from then on
     refusal: str = ""  # why the peer refused, for the requests failed meanwhile
     reconnect: bool = False  # declared dead: the next handshake starts with a Connect
+    last_heard: float = float("-inf")  # now of the last frame from it (silent peers)
 
 
 @dataclass(slots=True, eq=False)
@@ -453,6 +479,7 @@ class _Pub:
     seq: int | None = None  # key in conn.sent while on the wire
     sent_at: float = 0.0  # now of the last Send of its readiness
     abort_ids: list[str] = field(default_factory=list)  # held: the ABORT it waits for
+    held_at: float = 0.0  # now when it was held (silent peers)
 
 
 # -- the endpoint --------------------------------------------------------------------------
@@ -768,6 +795,7 @@ class ProducerEndpoint:
         if c is None or not c.connected:  # not a connection we opened
             self.stats.unexpected_messages += 1
             return []
+        c.last_heard = now
         out: list[Output] = []
         try:
             if isinstance(msg, ReadDone):
@@ -1339,6 +1367,9 @@ class ProducerEndpoint:
         requests. Without an ABORT to send now the publication is held instead (or, under
         v1_lease_expiry="reopen" toward a peer that can never be told, reopened untold)."""
         conn = pub.conn
+        if pub.state == PUB_HELD:  # held, and silent_peer_timeout_s has passed since
+            self._check_silence(pub, now, out)
+            return
         if pub.state == PUB_ORPHANED:
             # The peer was declared dead before; now its lease has run out as well.
             effect, pub.state = LAYER_PUBLICATION.step(pub.state, P_TIMER_LEASE_EXPIRED)
@@ -1380,6 +1411,9 @@ class ProducerEndpoint:
         else:
             assert effect == EFFECT_HOLD
             self.stats.held_leases += 1
+            pub.held_at = now
+            if self.config.silent_peer_timeout_s is not None:
+                heapq.heappush(self._timers, (now + self.config.silent_peer_timeout_s, pub.uid))
             self._drain_pub(pub, out)  # its requests end now; the gates wait
             if self._can_abort_now(conn) or (CAP_ABORT in conn.caps and not ids):
                 # A peer without leases: told to stop, its storage waits for the reply.
@@ -1392,6 +1426,21 @@ class ProducerEndpoint:
             # have arrived (a peer with ``resend`` serves an unseen seq, now empty, and
             # answers one it saw, or one lost in a gap, from memory).
             self._resend(conn, [pub], now, out)
+
+    def _check_silence(self, pub: _Pub, now: float, out: list[Output]) -> None:
+        """A held publication's silence bound came: declare its peer dead if nothing at all
+        came from it for that long (since it was held); else wait that long after its last
+        frame (it answers, just not this one yet)."""
+        timeout = self.config.silent_peer_timeout_s
+        assert timeout is not None
+        conn = pub.conn
+        silent_since = max(conn.last_heard, pub.held_at)
+        if now < silent_since + timeout:
+            heapq.heappush(self._timers, (silent_since + timeout, pub.uid))
+            return
+        self.stats.silent_peers += 1
+        out.append(Disconnect(conn.name))
+        out.extend(self.connection_lost(conn.name, now))
 
     def _mark_expired(self, pub: _Pub) -> None:
         """Tell the publication's gates that its lease ran out (they stay closed)."""

@@ -44,6 +44,7 @@ from rd2h_protocol.layout import LayerLayout
 from rd2h_protocol.producer import (
     Connect,
     DecodeTarget,
+    Disconnect,
     GateOpened,
     LayerReplied,
     Output,
@@ -382,6 +383,16 @@ class PrefillWorker:
                 finished.append(out)
             elif isinstance(out, LayerReplied):
                 self._round_trips.append(out.round_trip_s)
+            elif isinstance(out, Disconnect):
+                # The endpoint declared a silent peer dead: a fresh DEALER next time.
+                self._broken.pop(out.conn, None)
+                self._client.disconnect(out.conn)
+                log.warning(
+                    "Decode endpoint %s: nothing heard for %.1f s while it held storage; "
+                    "declaring it dead",
+                    out.conn,
+                    self.config.silent_peer_timeout_s,
+                )
             elif isinstance(out, Connect):
                 try:
                     self._client.connect(out.conn)

@@ -64,6 +64,10 @@ EXTRA_DEFAULTS: Final[Mapping[str, object]] = {
     "read_failure_policy": "isolate",
     "max_read_retries": 1,
     "handshake_timeout_s": 10.0,
+    # Prefill: a Decode that holds storage past its lease and sends nothing for this long
+    # is declared dead (null: hold until it replies or its connection goes; see
+    # ProducerConfig.silent_peer_timeout_s for the trade-off).
+    "silent_peer_timeout_s": 30.0,
     "protocol": "v2",
     # v2: the metaserver client (item 12).
     "metaserver_timeout_s": 5.0,
@@ -124,6 +128,7 @@ class Rd2hConfig:
     read_failure_policy: ReadFailurePolicy
     max_read_retries: int
     handshake_timeout_s: float
+    silent_peer_timeout_s: float | None
     protocol: ProtocolChoice
     metaserver: MetaserverOptions
     tp_size: int
@@ -331,6 +336,11 @@ def parse_config(
     handshake_timeout_s = _positive_number(
         problems, "handshake_timeout_s", values["handshake_timeout_s"]
     )
+    silent_peer_timeout_s = values["silent_peer_timeout_s"]
+    if silent_peer_timeout_s is not None:
+        silent_peer_timeout_s = _positive_number(
+            problems, "silent_peer_timeout_s", silent_peer_timeout_s
+        )
     protocol = values["protocol"]
     _choice(problems, "protocol", protocol, PROTOCOLS)
 
@@ -456,6 +466,7 @@ def parse_config(
         read_failure_policy=policy,
         max_read_retries=max_read_retries,
         handshake_timeout_s=handshake_timeout_s,
+        silent_peer_timeout_s=silent_peer_timeout_s,
         protocol=protocol,
         metaserver=metaserver,
         tp_size=tp_size,

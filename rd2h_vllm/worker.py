@@ -413,6 +413,7 @@ class PrefillSide:
                 protocol=config.protocol,
                 compat=compat,
                 handshake_timeout_s=config.handshake_timeout_s,
+                silent_peer_timeout_s=config.silent_peer_timeout_s,
             ),
             backend,
             control_options=control_options,

@@ -40,6 +40,7 @@ from rd2h_protocol.messages import (
 from rd2h_protocol.producer import (
     Connect,
     DecodeTarget,
+    Disconnect,
     GateOpened,
     LayerReplied,
     Output,
@@ -932,13 +933,14 @@ def test_v1_lease_expiry_hold_fails_at_once_but_keeps_the_gate_until_the_reply(
     assert ep.requests() == {}
     assert not ep.is_idle()
     assert (ep.stats.held_leases, ep.stats.expired_leases) == (1, 1)
-    assert ep.get_timer() is None  # nothing but the peer (or its declared death) frees it
+    # Nothing but the peer, its declared death or its silence frees it.
+    assert ep.get_timer() == 31.0 + ep.config.silent_peer_timeout_s
 
-    out = ep.receive(CONN, done(m0), 90.0)  # the peer finally replies
+    out = ep.receive(CONN, done(m0), 50.0)  # the peer finally replies, within that
     assert out == [GateOpened(0), GateOpened(1)]
     assert ep.can_overwrite(0)
     assert ep.is_idle()
-    assert ep.receive(CONN, done(m0), 91.0) == []
+    assert ep.receive(CONN, done(m0), 51.0) == []
     assert ep.stats.duplicate_replies == 1
 
 
@@ -1009,6 +1011,47 @@ def test_resumed_connection_leaves_a_lease_that_ran_out_to_its_timer() -> None:
     assert ep.connection_resumed(CONN, 31.0) == []  # deadline 31.0
     with pytest.raises(LocalProtocolError, match="not a Decode endpoint"):
         ep.connection_resumed("127.0.0.1:1", 31.0)
+
+
+def test_a_silent_peer_holding_storage_is_declared_dead() -> None:
+    # Issue 12: a v1 Decode that ACKs and never replies (libzmq answers its heartbeats)
+    # held every storage it was sent for as long as it stayed connected.
+    ep = endpoint(1, silent_peer_timeout_s=5.0)
+    one_request_ready(ep, ACK_V1_FRAME)
+    out = ep.handle_timer(31.0)  # lease over: held
+    assert opened(out) == [] and ep.gates() == {0: ("expired", 1), 1: ("expired", 1)}
+    assert ep.get_timer() == 36.0
+    out = ep.handle_timer(36.0)
+    assert out[0] == Disconnect(CONN)  # a fresh DEALER next time
+    assert opened(out) == [0, 1]
+    assert ep.stats.silent_peers == 1 and ep.stats.connections_lost == 1
+    assert ep.is_idle()
+    # The next publication hand-shakes again on a new connection.
+    ep.end_step(36.0)
+    ep.add_request("r2", target(), 40.0)
+    ep.schedule_chunk("r2", [1], [1], 0, 0, True)
+    out = write_layers(ep, [0], 40.0)
+    assert isinstance(out[0], Connect) and isinstance(sends(out)[0], MfMeta)
+
+
+def test_a_peer_that_answers_is_not_silent_even_if_it_holds_storage() -> None:
+    ep = endpoint(2, silent_peer_timeout_s=5.0)
+    m0, _ = one_request_ready(ep, ACK_V1_FRAME)
+    ep.handle_timer(31.0)  # both held
+    ep.receive(CONN, done(m0), 34.0)  # it answers one: alive
+    assert ep.handle_timer(36.0) == []
+    assert ep.get_timer() == 39.0  # five seconds after it was last heard
+    out = ep.handle_timer(39.0)
+    assert Disconnect(CONN) in out and opened(out) == [2, 3]
+
+
+def test_silent_peer_rule_can_be_turned_off() -> None:
+    ep = endpoint(1, silent_peer_timeout_s=None)
+    one_request_ready(ep, ACK_V1_FRAME)
+    ep.handle_timer(31.0)
+    assert ep.get_timer() is None  # held until a reply or the runtime's verdict
+    with pytest.raises(ConfigError, match="silent_peer_timeout_s"):
+        endpoint(1, silent_peer_timeout_s=0)
 
 
 def test_held_publication_is_freed_by_a_failure_reply_too() -> None:
