@@ -79,6 +79,7 @@ __all__ = ["DecodeMetrics", "DecodeWorker", "Outcome", "ReadRecord", "destinatio
 log = logging.getLogger("rd2h_runtime.decode")
 
 _CLOSE_TIMEOUT_S: Final = 10.0
+_OUTLIVE_POLL_S: Final = 5.0  # how often a failed read's running engine call is checked
 
 
 class _PlannerBug(Exception):
@@ -134,6 +135,7 @@ class DecodeMetrics:
     frames_sent: int = 0
     send_failures: int = 0  # replies the server refused or could not deliver
     handler_errors: int = 0  # exceptions caught on the I/O thread or the read worker
+    reads_outlived: int = 0  # failed reads whose engine call ran on (reported when it ended)
 
 
 class DecodeWorker:
@@ -430,6 +432,8 @@ class DecodeWorker:
             if item is None:
                 return
             error = self._read(item)
+            if error is not None:
+                self._outlive(item.plan.read_id)
             self._observe_read()
             reported: list[Outcome] = []
             try:
@@ -445,6 +449,31 @@ class DecodeWorker:
                     self.metrics.handler_errors += 1
                 log.exception("Decode worker: error after read %d", item.plan.read_id)
             self._report(reported)
+
+    def _outlive(self, read_id: int) -> None:
+        """Wait until no engine call of a failed read can still write the destination.
+
+        A read that timed out may leave its engine call running (some engines cannot cancel
+        one). Until that call ended, the read is not reported: its requests stay in flight
+        on the endpoint, so their blocks are not released to vLLM under a late write (S3),
+        even after their load timeout failed them. A call that never ends keeps them for
+        good: a leak that is logged, never a corruption.
+        """
+        if self._backend.quiesce(0.0):
+            return
+        self.metrics.reads_outlived += 1
+        waited = 0.0
+        while not self._backend.quiesce(_OUTLIVE_POLL_S):
+            if self._closed:
+                return
+            waited += _OUTLIVE_POLL_S
+            log.warning(
+                "read %d failed, but its %s call still runs %.0f s later: its blocks stay "
+                "held until it ends",
+                read_id,
+                self._backend.name,
+                waited,
+            )
 
     def _read(self, item: StartRead) -> TransferError | None:
         """Run one plan; the error to report, or None on success. Never raises."""
