@@ -6,7 +6,10 @@ with its own transfer backend and its own sockets (the ranks of one engine share
 as threads, because the Decode main pool is one TP-shared buffer). Engines run in-process
 (loopback backend, deterministic) or in a child process started with ``multiprocessing``
 spawn (nixl, mooncake: real bytes between processes), driven through a pipe by
-:class:`EngineProcess`. Sockets are on 127.0.0.1 with ports chosen at run time.
+:class:`EngineProcess`. Sockets are on 127.0.0.1 with ports chosen at run time, unless a
+spec names its ``host`` (and, for Decode, its ``port``); a child engine can also run in a
+network namespace of its own (``netns``, see :func:`enter_netns`), so that two engines on
+one machine talk over a real link as two hosts would.
 
 Decode verifies every destination byte against the pattern Prefill wrote
 (:meth:`~rd2h_runtime.synthetic.DecodeDestinations.verify`). ``rd2h demo`` and the
@@ -20,11 +23,15 @@ pipe first.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
+import fcntl
 import multiprocessing
 import multiprocessing.connection
 import os
 import signal
+import socket
+import struct
 import threading
 import time
 import traceback
@@ -61,6 +68,75 @@ FAST_CONTROL = ControlOptions(
     reconnect_grace_s=1.0,
     idle_poll_s=0.5,
 )
+
+
+# -- network namespaces -------------------------------------------------------------------------
+
+_CLONE_NEWNET = 0x40000000
+_CLONE_NEWNS = 0x00020000
+_MS_RDONLY = 1
+_MS_REC = 0x4000
+_MS_SLAVE = 1 << 19
+_MNT_DETACH = 2
+_SIOCGIFADDR = 0x8915
+NETNS_DIR = "/var/run/netns"
+
+
+def _libc_check(ret: int, what: str) -> None:
+    if ret != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+
+
+def enter_netns(name: str) -> None:
+    """Move this process into the named network namespace, as ``ip netns exec`` does.
+
+    Call it before any socket, ZMQ context or transfer engine exists, on the main thread:
+    the namespace is per thread, and threads started afterwards inherit it. Like ``ip netns
+    exec``, it also gives the process a mount namespace of its own with a sysfs of the new
+    network namespace on /sys (UCX finds its network devices in /sys/class/net). Needs
+    root (CAP_SYS_ADMIN).
+    """
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(os.path.join(NETNS_DIR, name), os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        _libc_check(libc.setns(fd, _CLONE_NEWNET), f"setns({name})")
+    finally:
+        os.close(fd)
+    _libc_check(libc.unshare(_CLONE_NEWNS), "unshare(CLONE_NEWNS)")
+    # Nothing mounted or unmounted from here on may propagate back to the host's mounts.
+    _libc_check(libc.mount(b"none", b"/", None, _MS_REC | _MS_SLAVE, None), "mount --make-rslave /")
+    flags = _MS_RDONLY if os.statvfs("/sys").f_flag & os.ST_RDONLY else 0
+    libc.umount2(b"/sys", _MNT_DETACH)  # not mounted is fine
+    _libc_check(libc.mount(name.encode(), b"/sys", b"sysfs", flags, None), "mount sysfs /sys")
+
+
+def interface_of(host: str) -> str | None:
+    """The network interface holding the IPv4 address ``host`` here, or None."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        for _, name in socket.if_nameindex():
+            request = struct.pack("256s", name.encode()[:15])
+            try:
+                answer = fcntl.ioctl(sock.fileno(), _SIOCGIFADDR, request)
+            except OSError:  # no IPv4 address
+                continue
+            if socket.inet_ntoa(answer[20:24]) == host:
+                return name
+    return None
+
+
+def _enter_host(netns: str, host: str) -> None:
+    """Child start-up for an engine in a namespace: enter it, keep UCX on its link.
+
+    UCX sees the other namespace's engine on the same machine and would use shared memory
+    with it, past the link; TCP over the interface of ``host`` is what two hosts would use.
+    """
+    enter_netns(netns)
+    os.environ["UCX_TLS"] = "tcp"
+    device = interface_of(host)
+    if device is None:
+        raise RuntimeError(f"no interface holds {host} in network namespace {netns}")
+    os.environ["UCX_NET_DEVICES"] = device
 
 
 # -- fault-injecting backend -----------------------------------------------------------------
@@ -129,6 +205,9 @@ class DecodeSpec:
     capabilities: tuple[str, ...] = ALL_CAPABILITIES
     mismatch_layer: int | None = None  # this layer's destination lacks the LIC8 scale
     control: ControlOptions = FAST_CONTROL
+    host: str = HOST  # ROUTERs and backend bind / advertise this address
+    port: int = 0  # rank 0's port (ranks on port..port+d_tp-1); 0: any free run of ports
+    netns: str | None = None  # child engines only: run in this network namespace
 
 
 @dataclass(frozen=True)
@@ -180,20 +259,22 @@ class DecodeEngine:
             time.sleep(spec.read_delay_s)
 
     def _backend(self) -> TransferBackend:
-        inner = create_backend(self.spec.backend, role="decode", host=HOST)
+        inner = create_backend(self.spec.backend, role="decode", host=self.spec.host)
         if self.spec.die_at_read is None and not self.spec.read_delay_s:
             return inner
         return HookedBackend(inner, self._before_read)
 
     def _start(self) -> list[DecodeWorker]:
-        """Bind the ranks on consecutive ports base..base+d_tp-1 (retry on a clash)."""
+        """Bind the ranks on consecutive ports base..base+d_tp-1 (retry on a clash, unless
+        the spec fixes the base port)."""
         spec = self.spec
         last: Exception | None = None
-        for _ in range(20):
+        for _ in range(1 if spec.port else 20):
             workers: list[DecodeWorker] = []
             try:
                 for rank in range(spec.d_tp):
-                    port = 0 if rank == 0 else workers[0].port + rank
+                    base = spec.port or (workers[0].port if workers else 0)
+                    port = base + rank if base else 0
                     config = ConsumerConfig(
                         d_rank=rank,
                         d_tp=spec.d_tp,
@@ -207,7 +288,7 @@ class DecodeEngine:
                         DecodeWorker(
                             config,
                             self._backend(),
-                            host=HOST,
+                            host=spec.host,
                             port=port,
                             regions=self.dest.regions(rank),
                             control_options=spec.control,
@@ -219,6 +300,8 @@ class DecodeEngine:
                 last = exc
                 for w in workers:
                     w.close()
+        if spec.port:
+            raise RuntimeError(f"cannot bind {spec.host}:{spec.port} (+{spec.d_tp - 1}): {last}")
         raise RuntimeError(f"no free run of {spec.d_tp} ports: {last}")
 
     @property
@@ -227,7 +310,7 @@ class DecodeEngine:
 
     def target(self) -> DecodeTarget:
         """What the rendezvous tells Prefill about this engine."""
-        return DecodeTarget(HOST, self.base_port, self.spec.d_tp)
+        return DecodeTarget(self.spec.host, self.base_port, self.spec.d_tp)
 
     def add(self, requests: Sequence[RequestSpec]) -> None:
         """Allocate destinations for the requests and register them on every rank."""
@@ -276,6 +359,12 @@ class DecodeEngine:
             self.alloc.free(idx)
         return ok
 
+    def quiesce(self, timeout: float) -> bool:
+        """Wait until no transfer-engine call of any rank can still write a destination
+        (a timed-out call some engines cannot cancel runs on); True when none can."""
+        deadline = time.monotonic() + timeout
+        return all(w.backend.quiesce(max(0.0, deadline - time.monotonic())) for w in self.workers)
+
     def state(self) -> dict[str, Any]:
         """Health and leftovers of every rank."""
         return {
@@ -313,6 +402,8 @@ class PrefillSpec:
     die_after_layer: tuple[int, int] | None = None  # (step, layer): SIGKILL after publishing
     write_before_wait: bool = False
     control: ControlOptions = FAST_CONTROL
+    host: str = HOST  # the backend binds / advertises this address
+    netns: str | None = None  # child engines only: run in this network namespace
 
 
 @dataclass
@@ -369,7 +460,7 @@ class PrefillEngine:
         )
         worker = PrefillWorker(
             config,
-            create_backend(spec.backend, role="prefill", host=HOST),
+            create_backend(spec.backend, role="prefill", host=spec.host),
             regions=cache.regions(),
             control_options=spec.control,
             on_finished=on_finished,
@@ -492,6 +583,8 @@ def _child_main(
     os.environ.setdefault("UCX_MODULES", "^ib")
     engine: DecodeEngine | PrefillEngine
     try:
+        if spec.netns is not None:  # first: before any socket or engine exists
+            _enter_host(spec.netns, spec.host)
         if kind == "decode":
             assert isinstance(spec, DecodeSpec)
             engine = DecodeEngine(spec, events)
