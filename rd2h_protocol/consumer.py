@@ -840,6 +840,11 @@ class ConsumerEndpoint:
         """``{Prefill session: state}``."""
         return {name: s.state for name, s in self._sessions.items()}
 
+    def session_of_peer(self, peer: bytes) -> str | None:
+        """The name of the Prefill session ``peer`` hand-shook for, if any (for logs)."""
+        session = self._session_of(peer)
+        return None if session is None else session.name
+
     def in_flight_count(self, ext_req_id: str) -> int:
         """Reads in flight that write ``ext_req_id``'s blocks (0 for an unknown request)."""
         req = self._requests.get(ext_req_id)

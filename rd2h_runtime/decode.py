@@ -39,6 +39,7 @@ import logging
 import queue
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Final
@@ -80,6 +81,19 @@ log = logging.getLogger("rd2h_runtime.decode")
 
 _CLOSE_TIMEOUT_S: Final = 10.0
 _OUTLIVE_POLL_S: Final = 5.0  # how often a failed read's running engine call is checked
+# ConsumerStats counters of peer input that was refused or dropped: logged per peer.
+_REFUSALS: Final = (
+    "malformed_frames",
+    "dropped",
+    "unexpected_messages",
+    "protocol_errors",
+    "park_overflow",
+    "park_budget_refusals",
+    "sessions_forgotten",
+    "refused_handshakes",
+)
+_REFUSAL_LOG_S: Final = 10.0  # at most one such WARNING per peer this often
+_REFUSAL_LOG_PEERS: Final = 1024  # peers remembered for that
 
 
 class _PlannerBug(Exception):
@@ -182,6 +196,8 @@ class DecodeWorker:
         self._last_read: ReadRecord | None = None  # the read worker's own, no lock
         self.metrics = DecodeMetrics()
         self._closed = False
+        # peer -> (when its refused input was last logged, refusals held back since)
+        self._refusals_logged: OrderedDict[bytes, tuple[float, int]] = OrderedDict()
         self._reader = threading.Thread(
             target=self._read_loop, name=f"rd2h-decode-reader-{config.d_rank}", daemon=True
         )
@@ -411,8 +427,10 @@ class DecodeWorker:
                     return
                 now = time.monotonic()
                 if isinstance(event, PeerFrame):
+                    before = self._refusal_counts()
                     outs = self._endpoint.receive_frame(event.peer, event.payload, now)
                     reported = self._execute(outs)
+                    self._log_refusals(event.peer, before, now)
                 elif isinstance(event, TimerDue):
                     reported = self._execute(self._endpoint.handle_timer(now))
                 elif isinstance(event, PeerSendFailed):
@@ -425,6 +443,37 @@ class DecodeWorker:
                 self.metrics.handler_errors += 1
             log.exception("Decode worker: error while handling %r", type(event).__name__)
         self._report(reported)
+
+    def _refusal_counts(self) -> tuple[int, ...]:
+        stats = self._endpoint.stats
+        return tuple(getattr(stats, name) for name in _REFUSALS)
+
+    def _log_refusals(self, peer: bytes, before: tuple[int, ...], now: float) -> None:
+        """A rate-limited WARNING naming ``peer`` and what of its input was refused (at
+        most one per peer per ``_REFUSAL_LOG_S``; the ones held back are counted in it)."""
+        after = self._refusal_counts()
+        if after == before:
+            return
+        what = [
+            f"{name} +{a - b}"
+            for name, a, b in zip(_REFUSALS, after, before, strict=True)
+            if a != b
+        ]
+        last, held_back = self._refusals_logged.get(peer, (-_REFUSAL_LOG_S, 0))
+        if now - last < _REFUSAL_LOG_S:
+            self._refusals_logged[peer] = (last, held_back + 1)
+            return
+        self._refusals_logged[peer] = (now, 0)
+        self._refusals_logged.move_to_end(peer)
+        while len(self._refusals_logged) > _REFUSAL_LOG_PEERS:
+            self._refusals_logged.popitem(last=False)
+        log.warning(
+            "refused input from Prefill peer %r (session %s): %s%s",
+            peer,
+            self._endpoint.session_of_peer(peer) or "none",
+            ", ".join(what),
+            f" ({held_back} more refused frames from it not logged)" if held_back else "",
+        )
 
     def _read_loop(self) -> None:
         while True:

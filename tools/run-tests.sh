@@ -8,19 +8,25 @@ cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-$(command -v python || command -v python3 || echo python3)}"
 export PYTHON  # the install scripts use the same interpreter
 
-# Mooncake's transfer engine links against the RDMA user-space libraries even for TCP.
+# System packages some tests need, installed when missing (as root with apt-get):
+# Mooncake's transfer engine links against the RDMA user-space libraries even for TCP, and
+# the two-host tests (tests/runtime/test_two_hosts.py) need ip and tc from iproute2.
+missing=()
 libs=$( (ldconfig -p || /sbin/ldconfig -p) 2>/dev/null || true)
-if ! grep -q 'libibverbs\.so\.1' <<<"$libs" || ! grep -q 'librdmacm\.so\.1' <<<"$libs"; then
+grep -q 'libibverbs\.so\.1' <<<"$libs" || missing+=(libibverbs1)
+grep -q 'librdmacm\.so\.1' <<<"$libs" || missing+=(librdmacm1)
+{ command -v ip && command -v tc; } >/dev/null 2>&1 || missing+=(iproute2)
+if [ ${#missing[@]} -gt 0 ]; then
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-        echo "run-tests: installing libibverbs1 librdmacm1 (mooncake needs them)"
+        echo "run-tests: installing ${missing[*]}"
         if ! apt_out=$( (apt-get update -qq &&
-            DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 librdmacm1) 2>&1); then
+            DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}") 2>&1); then
             echo "$apt_out" >&2
-            echo "run-tests: FAILED: apt-get install libibverbs1 librdmacm1" >&2
+            echo "run-tests: FAILED: apt-get install ${missing[*]}" >&2
             exit 1
         fi
     else
-        echo "warning: libibverbs1/librdmacm1 missing; mooncake tests need them (apt-get install libibverbs1 librdmacm1)" >&2
+        echo "warning: ${missing[*]} missing; mooncake and two-host tests need them (apt-get install ${missing[*]})" >&2
     fi
 fi
 
