@@ -89,20 +89,53 @@ class ProxyConfig:
     metaserver_url: str | None = None
     #: Prefill dispatches running at once; more wait for a slot.
     max_concurrent_dispatches: int = 64
-    #: Bound on one Prefill dispatch, waiting for a slot included (seconds).
+    #: Bound on one Prefill dispatch, waiting for a slot included (seconds). A dispatch is
+    #: the whole prompt's prefill on one Prefill node (one token, no streaming): its queue
+    #: there, the prefill of a long prompt, and the wait for one of the
+    #: ``max_concurrent_dispatches`` slots. On expiry the request fails with 504 (the client
+    #: sees it unless Decode is already answering, which proves it got its KV).
     dispatch_timeout_s: float = 300.0
-    #: How long the children of a request may take to post their rendezvous (seconds).
+    #: How long the children of a request may take to post their rendezvous (seconds),
+    #: counted from the client's request. Decode posts a child's rendezvous to
+    #: /v1/metaserver only once its scheduler has admitted the request and allocated its KV
+    #: blocks, so a loaded Decode node may queue it for minutes; nothing is dispatched to
+    #: Prefill before the last child has posted. On expiry the request fails with 504.
     rendezvous_timeout_s: float = 600.0
     #: TCP connect timeout toward any backend (seconds).
     connect_timeout_s: float = 10.0
-    #: Bound on one whole Decode exchange, streaming included (seconds).
+    #: Bound on one whole Decode exchange, streaming included (seconds): the rendezvous and
+    #: the Prefill dispatch happen inside it, then a long generation may stream for up to an
+    #: hour. It ends the exchange even while tokens are still flowing.
     decode_timeout_s: float = 3600.0
     #: Client requests handled at once; more are answered 503.
     max_inflight_requests: int = 4096
-    #: Largest client request body accepted (bytes).
+    #: Largest client request body accepted (bytes); a larger one is answered 413. At its
+    #: peak the proxy holds about twice a text body per request: the raw bytes until they
+    #: are decoded, then the decoded request plus one encoded copy for Decode or Prefill at
+    #: a time (more for a long token-id list, whose decoded form outweighs its JSON).
     max_body_bytes: int = 64 << 20
     #: Bound on each node's answer to /reset_prefix_cache (seconds).
     reset_timeout_s: float = 30.0
+    #: Time a client has to send a complete request head, the request line and headers
+    #: (seconds), counted from the connection's accept or, on a kept-alive connection, from
+    #: the first byte of the next request; then the connection is closed without an answer.
+    #: Real clients send a head in one write, so 10 s is generous even over a slow link, and
+    #: it frees a connection that trickles its head a byte at a time (slowloris) quickly.
+    header_timeout_s: float = 10.0
+    #: Time a client has to send the whole request body once its head is in (seconds). A
+    #: deadline for the body, not an idle timer between chunks: a client trickling a byte
+    #: now and then is cut as surely as one that stops. 60 s lets the largest body (64 MiB)
+    #: arrive at 1.1 MB/s, far below any link a serving client uses. A late body is answered
+    #: 408, then the connection is closed.
+    body_timeout_s: float = 60.0
+    #: Client TCP connections open at once, idle keep-alive ones and Decode's rendezvous
+    #: posts included; more are answered 503 and closed at once. Twice
+    #: ``max_inflight_requests``: each request in flight holds its client connection, and
+    #: Decode must still reach /v1/metaserver for it, so legitimate load meets the 503 of
+    #: ``max_inflight_requests`` first and the cap bounds only idle or hostile connections
+    #: (and the file descriptors they cost). ``rd2h proxy`` raises its open-file soft limit
+    #: to cover it at start.
+    max_connections: int = 8192
 
     def __post_init__(self) -> None:
         if not self.prefillers:
@@ -128,7 +161,12 @@ class ProxyConfig:
             )
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"--port must be in 0..65535, got {self.port}")
-        for name in ("max_concurrent_dispatches", "max_inflight_requests", "max_body_bytes"):
+        for name in (
+            "max_concurrent_dispatches",
+            "max_inflight_requests",
+            "max_body_bytes",
+            "max_connections",
+        ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
         for name in (
@@ -137,6 +175,8 @@ class ProxyConfig:
             "connect_timeout_s",
             "decode_timeout_s",
             "reset_timeout_s",
+            "header_timeout_s",
+            "body_timeout_s",
         ):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
@@ -197,6 +237,27 @@ def build_parser(prog: str = "rd2h proxy") -> argparse.ArgumentParser:
     p.add_argument("--max-inflight-requests", type=int, default=4096, metavar="N")
     p.add_argument("--max-body-bytes", type=int, default=64 << 20, metavar="BYTES")
     p.add_argument("--reset-timeout", type=float, default=30.0, metavar="SECONDS")
+    p.add_argument(
+        "--header-timeout",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="time a client has to send a request's line and headers (default 10)",
+    )
+    p.add_argument(
+        "--body-timeout",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="time a client has to send a whole request body; then 408 (default 60)",
+    )
+    p.add_argument(
+        "--max-connections",
+        type=int,
+        default=8192,
+        metavar="N",
+        help="client connections open at once; more are answered 503 (default 8192)",
+    )
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return p
 
@@ -217,4 +278,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         max_inflight_requests=args.max_inflight_requests,
         max_body_bytes=args.max_body_bytes,
         reset_timeout_s=args.reset_timeout,
+        header_timeout_s=args.header_timeout,
+        body_timeout_s=args.body_timeout,
+        max_connections=args.max_connections,
     )

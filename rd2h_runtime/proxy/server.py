@@ -21,6 +21,17 @@ Flow of one client request (the *parent*)
 4. The parent's state is removed when the client exchange is over and no dispatch for it
    is running.
 
+Hostile clients
+---------------
+Client connections go through a :class:`~rd2h_runtime.proxy.connections.ConnectionGuard`
+(served by :func:`start`): at most ``max_connections`` are open, and a request head must be
+complete within ``header_timeout_s``. A body must arrive whole within ``body_timeout_s``
+(else 408 and the connection is closed) and may not exceed ``max_body_bytes`` (413); a JSON
+body nested deeper than :data:`~rd2h_runtime.proxy.payloads.MAX_JSON_DEPTH`, or made of
+more than :data:`~rd2h_runtime.proxy.payloads.MAX_JSON_CONTAINERS` arrays and objects, is
+a 400. A body is held once as bytes until it is decoded, then only as the decoded request
+plus one encoded copy at a time for the backend it is being sent to.
+
 Only connection failures (the request never left the proxy) are retried, on another node:
 anything else may already have reached a backend, and repeating it could run the same
 children twice.
@@ -29,26 +40,35 @@ children twice.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import signal
+import socket
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any, Final
 
 import msgspec
 
 from rd2h_protocol.errors import MissingExtra
-from rd2h_protocol.rendezvous import MalformedRendezvous, parse_rendezvous_json
+from rd2h_protocol.rendezvous import (
+    MAX_RENDEZVOUS_BYTES,
+    MalformedRendezvous,
+    parse_rendezvous_json,
+)
 from rd2h_runtime.proxy.balancer import LeastLoaded, Node
 from rd2h_runtime.proxy.config import ProxyConfig
 from rd2h_runtime.proxy.payloads import (
     CHAT_COMPLETIONS,
     COMPLETIONS,
     BadRequest,
+    check_json_shape,
     check_request_id,
     child_ids,
     decode_body,
+    decode_json_object,
     prefill_body,
 )
 from rd2h_runtime.proxy.registry import (
@@ -67,6 +87,8 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise MissingExtra("aiohttp", "proxy") from exc
 
+from rd2h_runtime.proxy.connections import ConnectionGuard, GuardedSite
+
 log = logging.getLogger("rd2h.proxy")
 
 # Errors meaning the request never reached the backend, so another node may be tried.
@@ -77,6 +99,11 @@ _NOT_SENT: Final[tuple[type[BaseException], ...]] = (
 # Errors raised when the client of a streaming response has gone away.
 _CLIENT_GONE: Final = (ConnectionResetError, ConnectionError)
 _ERROR_TEXT_LIMIT: Final = 2000
+#: Bodies go to the backends in slices this large, so the socket layer never copies a whole
+#: body into its send buffer (asyncio before 3.12 does, for a write it cannot send at once).
+_SEND_CHUNK: Final = 1 << 20
+#: How long an idle kept-alive client connection stays open (aiohttp's run_app default).
+_KEEPALIVE_TIMEOUT_S: Final = 75.0
 
 
 @dataclass
@@ -99,12 +126,57 @@ class ProxyStats:
     dispatches_failed: int = 0
     dispatches_timed_out: int = 0
     failures_after_first_byte: int = 0  # parent failed while Decode was already streaming
+    body_timeouts: int = 0  # a request body did not arrive within body_timeout_s (408)
 
 
 def _json_error(status: int, message: str, kind: str) -> web.Response:
     """An OpenAI-style error body."""
     body = {"error": {"message": message, "type": kind, "code": status}}
     return web.json_response(body, status=status)
+
+
+class _Refused(Exception):
+    """A request body the proxy will not take (too large, or too slow to arrive)."""
+
+    def __init__(self, status: int, message: str, kind: str, *, close: bool = False) -> None:
+        super().__init__(message)
+        self.status = status
+        self.kind = kind
+        self.close = close  # the body is still arriving: close instead of draining it
+
+
+async def _read_all(content: aiohttp.StreamReader, length: int | None, limit: int) -> bytearray:
+    """The body from ``content`` into one buffer: the only copy of it the proxy makes."""
+    if length is not None:
+        body = bytearray(length)
+        view = memoryview(body)
+        filled = 0
+        while filled < length:
+            chunk = await content.readany()
+            if not chunk or len(chunk) > length - filled:
+                raise _Refused(
+                    400,
+                    "the request body does not match its Content-Length",
+                    "invalid_request_error",
+                )
+            view[filled : filled + len(chunk)] = chunk
+            filled += len(chunk)
+        return body
+    body = bytearray()
+    while chunk := await content.readany():
+        if len(body) + len(chunk) > limit:
+            raise _Refused(
+                413, f"the request body exceeds the {limit}-byte limit", "invalid_request_error"
+            )
+        body += chunk
+    return body
+
+
+async def _slices(payload: bytes) -> AsyncIterator[memoryview]:
+    """``payload`` in :data:`_SEND_CHUNK` slices; it is freed once the last one is sent."""
+    view = memoryview(payload)
+    for start in range(0, len(view), _SEND_CHUNK):
+        yield view[start : start + _SEND_CHUNK]
 
 
 @dataclass
@@ -125,6 +197,7 @@ class ProxyServer:
         self.stats = ProxyStats()
         self.prefill = LeastLoaded("prefill", config.prefillers)
         self.decode = LeastLoaded("decode", config.decoders)
+        self.guard = ConnectionGuard(config.max_connections, config.header_timeout_s)
         self._slots = asyncio.Semaphore(config.max_concurrent_dispatches)
         self._tasks: set[asyncio.Task[None]] = set()
         self._session: aiohttp.ClientSession | None = None
@@ -199,13 +272,15 @@ class ProxyServer:
 
     async def _generate_admitted(self, request: web.Request, api: str) -> web.StreamResponse:
         try:
-            body = msgspec.json.decode(await request.read())
-            if not isinstance(body, dict):
-                raise BadRequest("the request body must be a JSON object")
+            # The raw body lives only until it is decoded.
+            body = decode_json_object(await self._read_body(request, self.config.max_body_bytes))
             header_id = request.headers.get("X-Request-Id")
             parent_id = check_request_id(header_id) if header_id else uuid.uuid4().hex
             children = child_ids(api, parent_id, body)
-        except (BadRequest, msgspec.DecodeError) as exc:
+        except _Refused as exc:
+            self.stats.requests_rejected += 1
+            return await self._refuse(request, exc)
+        except BadRequest as exc:
             self.stats.requests_rejected += 1
             return _json_error(400, str(exc), "invalid_request_error")
         forwarded = {k: v for k, v in request.headers.items() if k.lower() in ("authorization",)}
@@ -229,6 +304,42 @@ class ProxyServer:
             self.stats.requests_failed += 1
         else:
             self.stats.requests_ok += 1
+        return response
+
+    async def _read_body(self, request: web.Request, limit: int) -> bytearray:
+        """The whole request body, within ``body_timeout_s`` and ``limit`` bytes, else
+        :class:`_Refused`.
+
+        The deadline covers the whole body, not the gaps between its chunks: a client that
+        trickles a byte now and then is cut as surely as one that stops.
+        """
+        length = request.content_length
+        if length is not None and length > limit:
+            raise _Refused(
+                413,
+                f"the request body has {length} bytes; the proxy accepts {limit}",
+                "invalid_request_error",
+            )
+        timeout = self.config.body_timeout_s
+        try:
+            return await asyncio.wait_for(_read_all(request.content, length, limit), timeout)
+        except asyncio.TimeoutError:
+            self.stats.body_timeouts += 1
+            raise _Refused(
+                408, f"the request body did not arrive within {timeout:g} s", "timeout", close=True
+            ) from None
+
+    async def _refuse(self, request: web.Request, exc: _Refused) -> web.StreamResponse:
+        """Answer a refused body; one still arriving is not drained (aiohttp would linger)."""
+        response = _json_error(exc.status, str(exc), exc.kind)
+        if not exc.close:
+            return response
+        log.debug("client %s: %s; closing the connection", request.remote, exc)
+        response.force_close()
+        with contextlib.suppress(ConnectionError):
+            await response.prepare(request)
+            await response.write_eof()
+        request.protocol.force_close()  # the answer is flushed first, then the socket closes
         return response
 
     async def _serve(
@@ -275,7 +386,6 @@ class ProxyServer:
         self, request: web.Request, parent: Parent, relay: _Relay
     ) -> web.StreamResponse:
         """Send the request to a Decode node and relay its answer."""
-        payload = msgspec.json.encode(decode_body(parent.body, self.config.metaserver))
         headers = {
             **parent.headers,
             "X-Request-Id": parent.parent_id,
@@ -288,8 +398,11 @@ class ProxyServer:
         last_error = "no Decode node configured"
         while (node := self.decode.acquire(exclude=tried)) is not None:
             try:
-                async with self.session.post(
-                    node.url + parent.api, data=payload, headers=headers, timeout=timeout
+                async with self._post_json(
+                    node.url + parent.api,
+                    decode_body(parent.body, self.config.metaserver),
+                    headers,
+                    timeout,
                 ) as resp:
                     return await self._relay(request, parent, resp, relay)
             except _NOT_SENT as exc:
@@ -311,6 +424,23 @@ class ProxyServer:
                 self.decode.release(node)
         self.stats.decode_errors += 1
         return _json_error(502, last_error, "upstream_error")
+
+    def _post_json(
+        self,
+        url: str,
+        body: Mapping[str, Any],
+        headers: Mapping[str, str],
+        timeout: aiohttp.ClientTimeout,
+    ) -> contextlib.AbstractAsyncContextManager[aiohttp.ClientResponse]:
+        """POST ``body`` as JSON. The encoded bytes are referenced only by the upload, so they
+        are freed as soon as it is sent (a Decode exchange then streams for minutes)."""
+        payload = msgspec.json.encode(body)
+        return self.session.post(
+            url,
+            data=_slices(payload),
+            headers={**headers, "Content-Length": str(len(payload))},
+            timeout=timeout,
+        )
 
     async def _relay_failed(self, relay: _Relay, status: int, message: str) -> web.StreamResponse:
         log.warning("%s", message)
@@ -372,11 +502,19 @@ class ProxyServer:
 
     # -- metaserver ------------------------------------------------------------------------
 
-    async def metaserver(self, request: web.Request) -> web.Response:
+    async def metaserver(self, request: web.Request) -> web.StreamResponse:
         """POST /v1/metaserver: record a child's rendezvous and answer at once."""
         try:
-            rendezvous, raw = parse_rendezvous_json(await request.read())
-        except MalformedRendezvous as exc:
+            data = await self._read_body(
+                request, min(MAX_RENDEZVOUS_BYTES, self.config.max_body_bytes)
+            )
+        except _Refused as exc:
+            self.stats.rendezvous_malformed += 1
+            return await self._refuse(request, exc)
+        try:
+            check_json_shape(data, "the rendezvous body")
+            rendezvous, raw = parse_rendezvous_json(bytes(data))
+        except (BadRequest, MalformedRendezvous) as exc:
             self.stats.rendezvous_malformed += 1
             return _json_error(400, str(exc), "invalid_request_error")
         # Normalised known fields over the raw object: keys a newer Decode adds pass through.
@@ -445,7 +583,6 @@ class ProxyServer:
         self.registry.fail(parent, status, message)
 
     async def _dispatch_once(self, parent: Parent) -> None:
-        payload = msgspec.json.encode(prefill_body(parent.body, parent.children, parent.posted))
         headers = {
             **parent.headers,
             "X-Request-Id": parent.parent_id,
@@ -457,8 +594,11 @@ class ProxyServer:
             last_error = "no Prefill node configured"
             while (node := self.prefill.acquire(exclude=tried)) is not None:
                 try:
-                    async with self.session.post(
-                        node.url + parent.api, data=payload, headers=headers, timeout=timeout
+                    async with self._post_json(
+                        node.url + parent.api,
+                        prefill_body(parent.body, parent.children, parent.posted),
+                        headers,
+                        timeout,
                     ) as resp:
                         text = await resp.read()
                         if resp.status >= 400:
@@ -492,6 +632,7 @@ class ProxyServer:
                 "requests_in_flight": self._in_flight,
                 "dispatches_in_flight": self._dispatches_in_flight,
                 "stats": asdict(self.stats),
+                "connections": asdict(self.guard.stats),
             }
         )
 
@@ -500,6 +641,7 @@ class ProxyServer:
         return web.json_response(
             {
                 "stats": asdict(self.stats),
+                "connections": asdict(self.guard.stats),
                 "requests_in_flight": self._in_flight,
                 "dispatches_in_flight": self._dispatches_in_flight,
                 "parents": len(self.registry),
@@ -544,13 +686,31 @@ SERVER_KEY: Final = web.AppKey("rd2h_proxy_server", ProxyServer)
 
 
 def create_app(config: ProxyConfig) -> web.Application:
-    """The proxy as an aiohttp application (start it with ``web.run_app`` or an AppRunner).
+    """The proxy as an aiohttp application; serve it with :func:`start` (or :func:`run`).
 
-    The :class:`ProxyServer` is reachable as ``app[SERVER_KEY]``. Run it with
-    ``handler_cancellation=True`` so a client that disconnects stops its Decode exchange.
+    The :class:`ProxyServer` is reachable as ``app[SERVER_KEY]``. Another runner serves it
+    too, without the connection cap and header deadline (those need :func:`start`'s site);
+    run it with ``handler_cancellation=True`` so a client that disconnects stops its Decode
+    exchange.
     """
     server = ProxyServer(config)
-    app = web.Application(client_max_size=config.max_body_bytes)
+
+    @web.middleware
+    async def report_requests(
+        request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        # aiohttp calls the application only once a request head is complete.
+        server.guard.request_started(request.protocol)
+        try:
+            return await handler(request)
+        finally:
+            server.guard.request_finished(request.protocol)
+
+    app = web.Application(
+        client_max_size=config.max_body_bytes,
+        middlewares=[report_requests],
+        handler_args={"keepalive_timeout": _KEEPALIVE_TIMEOUT_S},
+    )
     app[SERVER_KEY] = server
     app.cleanup_ctx.append(server.session_ctx)
     app.router.add_post("/v1/completions", server.completions)
@@ -562,19 +722,86 @@ def create_app(config: ProxyConfig) -> web.Application:
     return app
 
 
+async def start(
+    app: web.Application,
+    *,
+    host: str | None = None,
+    port: int = 0,
+    sock: socket.socket | None = None,
+) -> web.AppRunner:
+    """Serve a :func:`create_app` application on ``host:port`` (or a bound ``sock``).
+
+    Its connections go through the application's guard (connection cap, header deadline).
+    Stop it with ``await runner.cleanup()``.
+    """
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    try:
+        site = GuardedSite(runner, app[SERVER_KEY].guard, host=host, port=port, sock=sock)
+        await site.start()
+    except BaseException:
+        await runner.cleanup()
+        raise
+    return runner
+
+
+def _raise_open_file_limit(config: ProxyConfig) -> None:
+    """Raise the soft open-file limit to what ``max_connections`` implies, as far as allowed.
+
+    Each client request in flight also holds a Decode connection, a dispatch a Prefill one;
+    a soft limit below that makes the proxy fail on EMFILE before the cap can refuse anyone.
+    """
+    try:
+        import resource
+    except ImportError:  # pragma: no cover - not on POSIX
+        return
+    need = (
+        config.max_connections
+        + config.max_inflight_requests
+        + config.max_concurrent_dispatches
+        + 256  # listening socket, backend pools' idle connections, logs, the loop's own
+    )
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= need:
+        return
+    target = need if hard == resource.RLIM_INFINITY else min(need, hard)
+    if target > soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass
+    if soft < need:
+        log.warning(
+            "open-file limit %d is below the ~%d that --max-connections %d implies (client "
+            "connections plus backend connections); lower --max-connections or raise the "
+            "limit (ulimit -n)",
+            soft,
+            need,
+            config.max_connections,
+        )
+
+
+async def _serve(config: ProxyConfig) -> None:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError):  # no signal handlers on Windows
+            loop.add_signal_handler(signum, stop.set)
+    runner = await start(create_app(config), host=config.host, port=config.port)
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+
+
 def run(config: ProxyConfig) -> None:
-    """Serve until interrupted."""
+    """Serve until SIGINT or SIGTERM."""
     for host in config.loopback_mismatch():
         log.warning(
             "Decode host %s cannot reach the metaserver on loopback %s; use a reachable --host",
             host,
             config.host,
         )
-    web.run_app(
-        create_app(config),
-        host=config.host,
-        port=config.port,
-        handler_cancellation=True,
-        print=None,
-        access_log=None,
-    )
+    _raise_open_file_limit(config)
+    asyncio.run(_serve(config))

@@ -41,7 +41,7 @@ from rd2h_protocol.rendezvous import (
 from rd2h_protocol.topology import external_request_id
 from rd2h_runtime.proxy import ProxyConfig, create_app
 from rd2h_runtime.proxy.config import Backend
-from rd2h_runtime.proxy.server import SERVER_KEY, ProxyServer
+from rd2h_runtime.proxy.server import SERVER_KEY, ProxyServer, start
 
 TEST_TIMEOUT_S = 9.0  # every test must finish in under 10 s
 HOST = "127.0.0.1"
@@ -367,7 +367,7 @@ async def cluster(
             **options,
         )
         c.app = create_app(config)
-        runners.insert(0, await start_runner(c.app, sock))
+        runners.insert(0, await start(c.app, sock=sock))  # as `rd2h proxy` serves it
         c.proxy_url = f"http://{HOST}:{config.port}"
         c.client = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=TEST_TIMEOUT_S))
         yield c

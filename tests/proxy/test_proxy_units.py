@@ -251,6 +251,16 @@ def test_deployment_guide_command_line() -> None:
     assert config.metaserver == "http://127.0.0.1:9000/v1/metaserver"
 
 
+def test_client_limit_flags() -> None:
+    default = config_from_args(build_parser().parse_args(GUIDE_ARGS))
+    assert (default.header_timeout_s, default.body_timeout_s) == (10.0, 60.0)
+    assert default.max_connections == 8192 > default.max_inflight_requests
+    flags = ["--header-timeout", "2.5", "--body-timeout", "7", "--max-connections", "100"]
+    config = config_from_args(build_parser().parse_args([*GUIDE_ARGS, *flags]))
+    assert (config.header_timeout_s, config.body_timeout_s) == (2.5, 7.0)
+    assert config.max_connections == 100
+
+
 def test_lists_pair_up_and_one_host_serves_many_ports() -> None:
     assert pair_backends(["a", "b"], [1, 2], "decode") == (Backend("a", 1), Backend("b", 2))
     assert pair_backends(["a"], [1, 2], "decode") == (Backend("a", 1), Backend("a", 2))
@@ -295,6 +305,9 @@ def test_config_validation_messages() -> None:
         ({"metaserver_url": "10.0.0.1:9000"}, "http"),
         ({"max_concurrent_dispatches": 0}, "max_concurrent_dispatches"),
         ({"dispatch_timeout_s": 0.0}, "dispatch_timeout_s"),
+        ({"header_timeout_s": 0.0}, "header_timeout_s"),
+        ({"body_timeout_s": -1.0}, "body_timeout_s"),
+        ({"max_connections": 0}, "max_connections"),
     ]
     for change, needle in cases:
         with pytest.raises(ConfigError, match=needle):
