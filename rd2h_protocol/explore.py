@@ -1612,7 +1612,8 @@ _SKIP: Final[dict[str, frozenset[str]]] = {
     # Failure texts are reported, never acted on.
     "rd2h_protocol.producer._Request": frozenset({"message"}),
     "rd2h_protocol.consumer._Request": frozenset({"fail_message"}),
-    "rd2h_protocol.consumer._Session": frozenset({"validated"}),
+    # The reply memory is written by _canon_world, only where it can still be asked.
+    "rd2h_protocol.consumer._Session": frozenset({"validated", "remembered", "remembered_bytes"}),
     # A request's spec and block ids never change; its key says which request it is.
     "rd2h_protocol.explore._Req": frozenset({"spec", "pmain", "pidx", "dmain", "didx"}),
     "rd2h_protocol.completion.ContributorSet": frozenset({"duplicates"}),
@@ -1721,6 +1722,30 @@ def _canon_world(world: Any) -> _Canon:
         for table in (world._terminal, world._delivered)
     )
     aborted = _sorted([_canon(k) for k in world._aborted_to if k[2] in live_prefill])
+    # Decode's reply memory (seq -> reply) matters only for a seq that can still reach it:
+    # one Prefill still holds (and may resend) or one in flight. Prefill never resends an
+    # ended publication and never reuses a seq, and the model stays far below the memory's
+    # bounds, so what Decode remembers of any other seq changes nothing that follows.
+    askable = {
+        (prod.config.session, v.conn, v.seq)
+        for prod in world.producers
+        for v in prod.publications().values()
+    }
+    for f in world.network:
+        if f.kind == "ReadReadyBatch":
+            msg = decode(f.data)
+            assert isinstance(msg, ReadReadyBatch)
+            askable.add((f.src[1], f.dst[1], msg.seq))
+    remembered = _sorted(
+        [
+            (conn, name, seq, _canon(reply))
+            for (e, d), cons in world.consumers.items()
+            for conn in (World.conn_name(e, d),)
+            for name, session in cons._sessions.items()
+            for seq, reply in session.remembered.items()
+            if (name, conn, seq) in askable
+        ]
+    )
     ranks = tuple(
         (
             rank.session,
@@ -1730,7 +1755,7 @@ def _canon_world(world: Any) -> _Canon:
         for rank, prod in zip(world.ranks, world.producers, strict=True)
         for live in (prod.requests(),)
     )
-    return (state, reads, pmem, network, memory, records, aborted, ranks)
+    return (state, reads, pmem, network, memory, records, aborted, ranks, remembered)
 
 
 def _canon_frame(frame: Frame) -> _Canon:

@@ -795,7 +795,8 @@ class ProducerEndpoint:
         if c is None or not c.connected:  # not a connection we opened
             self.stats.unexpected_messages += 1
             return []
-        c.last_heard = now
+        if self.config.silent_peer_timeout_s is not None:  # (kept only where it is used)
+            c.last_heard = now
         out: list[Output] = []
         try:
             if isinstance(msg, ReadDone):
@@ -1411,8 +1412,8 @@ class ProducerEndpoint:
         else:
             assert effect == EFFECT_HOLD
             self.stats.held_leases += 1
-            pub.held_at = now
             if self.config.silent_peer_timeout_s is not None:
+                pub.held_at = now
                 heapq.heappush(self._timers, (now + self.config.silent_peer_timeout_s, pub.uid))
             self._drain_pub(pub, out)  # its requests end now; the gates wait
             if self._can_abort_now(conn) or (CAP_ABORT in conn.caps and not ids):
