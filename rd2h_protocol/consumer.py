@@ -627,6 +627,9 @@ _READINESS_SHELL: Final[Any] = msgspec.defstruct(
 _SHELL_DECODER: Final = msgspec.msgpack.Decoder(_READINESS_SHELL)
 _BATCH_FIELDS: Final = tuple(f for f in ReadReadyBatch.__struct_fields__ if f != "read_reqs")
 _EMPTY_ARRAY: Final = b"\x90"
+# One past the largest block id the wire carries (messages.BlockId): the bound of a
+# session whose layout has no num_blocks (see _decode_bounded).
+_WIRE_ID_LIMIT: Final = 1 << 32
 # Sessions whose last readiness entries are remembered (see _decode_bounded).
 _ENTRY_CACHE_SESSIONS: Final = 64
 
@@ -1020,11 +1023,12 @@ class ConsumerEndpoint:
         return self.receive(peer, msg, now)
 
     def _decode_bounded(self, peer: bytes, frame: bytes) -> tuple[ReadReadyBatch, int] | None:
-        """A readiness from a session whose layout bounds every Prefill block id, decoded
-        with that bound checked, and the bound; None to take the general path.
+        """A readiness from a bound session, decoded with its Prefill block id bound checked
+        (the layout's smallest ``num_blocks``; without one, the wire's own limit, which is
+        exactly the codec's check), and the bound; None to take the general path.
 
         None covers every frame this cannot vouch for: not a readiness as encoders write
-        it, no bound known, too big, malformed, or ANY id at or past the bound. The
+        it, no session, too big, malformed, or ANY id at or past the bound. The
         general path then decodes it again and finds the offending requests one by one
         (isolating them), so an out-of-range id costs a second decode, never a guarantee.
 
@@ -1038,13 +1042,16 @@ class ConsumerEndpoint:
         session = self._session_of(peer)
         if (
             session is None
-            or session.id_bound is None
             or not len(_READINESS_HEAD) < len(frame) <= MAX_FRAME_BYTES
             or not 0x91 <= frame[0] <= 0x9F
             or frame[1 : 1 + len(_READINESS_HEAD)] != _READINESS_HEAD
         ):
             return None
-        bound = session.id_bound
+        # A layout without num_blocks (a v1 Prefill) bounds nothing beyond the wire's own
+        # block id type: the ids are decoded with exactly the codec's check, so the frame
+        # gets the same verdict as on the general path, and the immutable entries the
+        # planner caches per step.
+        bound = _WIRE_ID_LIMIT if session.id_bound is None else session.id_bound
         # Kept entries were checked against this bound: a handshake drops them.
         cached = self._entry_cache.get(session.name)
         try:

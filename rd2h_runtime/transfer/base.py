@@ -29,8 +29,10 @@ from __future__ import annotations
 
 import abc
 import importlib
+import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from types import TracebackType
 from typing import Any, ClassVar, Final, TypeVar
@@ -195,6 +197,9 @@ class RegionSet:
             return -1
         if self._starts.shape[0] == 0:
             return 0
+        if n <= _SMALL:  # a small batch: the exact test at once costs less than two passes
+            bad = np.flatnonzero(~self._inside(addrs, addrs, lengths))
+            return int(bad[0]) if bad.shape[0] else -1
         heads = np.arange(0, n, _CHUNK)
         ok = self._inside(
             np.minimum.reduceat(addrs, heads),
@@ -226,6 +231,8 @@ class RegionSet:
 
 # Ranges bounded together by RegionSet.first_outside's fast test.
 _CHUNK: Final = 1024
+# Batches this small get the exact per-range test directly (see first_outside).
+_SMALL: Final = 256
 
 
 def as_u64(values: AddrLike, what: str) -> U64Array:
@@ -364,7 +371,12 @@ class TransferBackend(abc.ABC):
             if self._closed:
                 return
             self._closed = True
-        self._close()
+        try:
+            self._close()
+        finally:
+            runner = getattr(self, "_runner", None)
+            if isinstance(runner, BlockingCallRunner):
+                runner.close()  # its worker thread ends (after a call still running, if any)
 
     @property
     def closed(self) -> bool:
@@ -406,13 +418,18 @@ class TransferBackend(abc.ABC):
 
 
 class BlockingCallRunner:
-    """Runs one blocking engine call at a time on a daemon thread, with a deadline.
+    """Runs one blocking engine call at a time on a worker thread, with a deadline.
 
     For engines whose batched read is a synchronous C call with no cancel: the caller stops
     waiting at its deadline, but the call keeps running until the engine gives up. While it
     runs, new calls are refused (``TransferError(transient=True)``) and :meth:`wait_idle`
-    tells when destination memory is safe again. Daemon threads, so a stuck engine call
-    never blocks interpreter exit.
+    tells when destination memory is safe again.
+
+    The worker is ONE daemon thread per runner, started with the first call and kept for
+    the next ones (a thread per call cost a thread start on every read); daemon, so a stuck
+    engine call never blocks interpreter exit. It ends at :meth:`close` (after the call it
+    runs, if any) or when the runner is garbage-collected; a call after :meth:`close`
+    starts a new one.
     """
 
     def __init__(self, name: str) -> None:
@@ -420,6 +437,11 @@ class BlockingCallRunner:
         self._idle = threading.Event()
         self._idle.set()
         self._guard = threading.Lock()
+        # The worker and its own job queue (each worker has one, so a stop meant for one
+        # worker never reaches the next). The worker holds its queue, never the runner: a
+        # dropped runner stops it (the finalizer reads the list when it runs).
+        self._worker: list[tuple[threading.Thread, _Jobs]] = []
+        weakref.finalize(self, _stop, self._worker)
 
     @property
     def busy(self) -> bool:
@@ -427,26 +449,33 @@ class BlockingCallRunner:
 
     def run(self, fn: Callable[[], T], deadline: float, what: str) -> T:
         """Run ``fn`` and return its result; :class:`TransferError` if past ``deadline``."""
-        with self._guard:
-            if not self._idle.is_set():
-                raise TransferError(
-                    f"{what}: an earlier {self._name} call that timed out is still running",
-                    transient=True,
-                )
-            self._idle.clear()
         box: dict[str, Any] = {}
+        idle = self._idle
 
-        def target() -> None:
+        def job() -> None:
             try:
                 box["result"] = fn()
             except BaseException as exc:  # handed to the caller below
                 box["error"] = exc
             finally:
-                self._idle.set()
+                idle.set()
 
-        worker = threading.Thread(target=target, name=f"rd2h-{self._name}-call", daemon=True)
-        worker.start()
-        if not self._idle.wait(max(0.0, deadline - time.monotonic())):
+        with self._guard:
+            if not idle.is_set():
+                raise TransferError(
+                    f"{what}: an earlier {self._name} call that timed out is still running",
+                    transient=True,
+                )
+            idle.clear()
+            if not self._worker or not self._worker[0][0].is_alive():
+                jobs: _Jobs = queue.SimpleQueue()
+                worker = threading.Thread(
+                    target=_work, args=(jobs,), name=f"rd2h-{self._name}-call", daemon=True
+                )
+                worker.start()
+                self._worker[:] = [(worker, jobs)]
+            self._worker[0][1].put(job)
+        if not idle.wait(max(0.0, deadline - time.monotonic())):
             raise TransferError(
                 f"{what}: timed out; the {self._name} engine call is still running and may "
                 "still write into local memory (see quiesce())",
@@ -459,3 +488,28 @@ class BlockingCallRunner:
 
     def wait_idle(self, timeout_s: float) -> bool:
         return self._idle.wait(max(0.0, float(timeout_s)))
+
+    def close(self) -> None:
+        """Let the worker thread end once its current call (if any) returns. Idempotent."""
+        with self._guard:
+            _stop(self._worker)
+
+
+_Jobs = queue.SimpleQueue[Callable[[], None] | None]
+
+
+def _stop(worker: list[tuple[threading.Thread, _Jobs]]) -> None:
+    """Tell a runner's worker (if any) to end after its current call, and forget it."""
+    for _, jobs in worker:
+        jobs.put(None)
+    worker.clear()
+
+
+def _work(jobs: _Jobs) -> None:
+    """A runner's worker thread: run jobs until told to stop (``None``)."""
+    while True:
+        job = jobs.get()
+        if job is None:
+            return
+        job()
+        del job  # drop the call's closure (engine, arrays) while waiting for the next

@@ -1886,3 +1886,115 @@ def test_frames_in_other_buffers_are_read_alike(kind: Any) -> None:
         (read,) = only(outs, StartRead).plan.requests
         assert (list(read.main_src), list(read.indexer_src)) == ([1, 2], [3])
     assert ep.stats.malformed_frames == 0
+
+
+# -- v1 layouts without num_blocks take the fast decode path -------------------------------
+
+
+def _v1_unbounded() -> ConsumerEndpoint:
+    ep = endpoint()
+    send(ep, meta(v2=False, layouts={n: src_layout(num_blocks=None) for n in LAYER_NAMES}))
+    return ep
+
+
+def _spy_fast(monkeypatch: pytest.MonkeyPatch, *, disable: bool = False) -> list[bool]:
+    """Record whether each frame took the fast decode (or force the general path)."""
+    fast: list[bool] = []
+    bounded = ConsumerEndpoint._decode_bounded
+
+    def spy(self: ConsumerEndpoint, peer: bytes, frame: bytes) -> Any:
+        result = None if disable else bounded(self, peer, frame)
+        fast.append(result is not None)
+        return result
+
+    monkeypatch.setattr(ConsumerEndpoint, "_decode_bounded", spy)
+    return fast
+
+
+def _served(ep: ConsumerEndpoint, msg: ReadReadyBatch) -> tuple[Any, ...]:
+    outs = ep.receive_frame(PEER, encode(msg), 0.0)
+    plans = [
+        (r.ext_req_id, *map(list, (r.main_src, r.main_dst, r.indexer_src, r.indexer_dst)))
+        for o in of(outs, StartRead)
+        for r in o.plan.requests
+    ]
+    after = finish(ep, outs) if of(outs, StartRead) else []
+    return (
+        plans,
+        replies(outs) + replies(after),
+        [(o.ext_req_id, o.code) for o in [*outs, *after] if isinstance(o, RequestFailed)],
+    )
+
+
+def test_v1_layout_without_num_blocks_serves_good_ids_on_the_fast_path(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    fast = _spy_fast(monkeypatch)
+    ep = _v1_unbounded()
+    ep.add_request("r1", [3, 4], [5], 0.0)
+    ep.add_request("r2", [6], [7], 0.0)
+    top = (1 << 32) - 1  # the largest id the wire carries: no layout bound to refuse it
+    msg = rrb(0, [rr("r1", [1, 2], [8]), rr("r2", [top], [9])])
+    outs = send(ep, msg)
+    assert fast == [False, True]  # the handshake, then the readiness
+    plan = only(outs, StartRead).plan
+    assert [(r.ext_req_id, list(r.main_src), list(r.main_dst)) for r in plan.requests] == [
+        ("r1", [1, 2], [3, 4]),
+        ("r2", [top], [6]),
+    ]
+    # immutable ids: the runtime's planner keeps their runs for the step's later layers
+    assert all(type(r.main_src) is tuple for r in plan.requests)
+    assert replies(finish(ep, outs)) == [ReadDone(layer_idx=0)]
+    # the next layer of the step reuses the decoded entries
+    outs = send(ep, rrb(1, [rr("r1", [1, 2], [8]), rr("r2", [top], [9])]))
+    assert fast[-1] is True
+    assert only(outs, StartRead).plan.requests[0].main_src is plan.requests[0].main_src
+
+
+@pytest.mark.parametrize(
+    "bad", [[-1], [1 << 32], [0, -5]], ids=["negative", "past-wire-limit", "negative-later"]
+)
+@pytest.mark.parametrize("where", ["main", "indexer"])
+def test_v1_layout_without_num_blocks_bad_ids_get_the_general_paths_verdict(
+    bad: list[int], where: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ids no layout can hold (negative, past the wire's block id type) get exactly the
+    verdict, codes and failed requests they got before the fast path served v1 layouts;
+    the other requests of the session are served as before."""
+    seen = []
+    for disable in (True, False):
+        fast = _spy_fast(monkeypatch, disable=disable)
+        ep = _v1_unbounded()
+        ep.add_request("r1", [0, 1], [0, 1], 0.0)
+        ep.add_request("r2", [2], [2], 0.0)
+        main, idx = (bad, [0]) if where == "main" else ([0], bad)
+        msg = rrb(0, [rr("r2", [4], [5]), rr("r1", main, idx)])
+        verdict = _served(ep, msg)
+        assert verdict[0] == [] and verdict[1], verdict  # nothing read, a failure reply
+        # the codec refuses the frame: the layer fails, every request it names with it
+        assert isinstance(verdict[1][0], ReadFailed)
+        assert sorted(verdict[2]) == [
+            ("r1", ErrorCode.OUT_OF_RANGE),
+            ("r2", ErrorCode.OUT_OF_RANGE),
+        ]
+        assert fast[-1] is False
+        # a good readiness afterwards is served (a new request: the old ones failed)
+        ep.add_request("r3", [7], [8], 0.0)
+        good = _served(ep, rrb(1, [rr("r3", [9], [10])]))
+        assert good[0] == [("r3", [9], [7], [10], [8])] and good[2] == []
+        seen.append((verdict, good))
+    assert seen[0] == seen[1]
+
+
+def test_v1_layout_with_num_blocks_isolates_ids_past_it_with_the_same_code() -> None:
+    ep = endpoint()
+    send(ep, meta(v2=False, layouts={n: src_layout(num_blocks=100) for n in LAYER_NAMES}))
+    ep.add_request("r1", [0], [0], 0.0)
+    ep.add_request("r2", [1], [1], 0.0)
+    outs = send(ep, rrb(0, [rr("r1", [100]), rr("r2", [99])]))
+    (read,) = only(outs, StartRead).plan.requests
+    assert read.ext_req_id == "r2"
+    assert [(f.ext_req_id, f.code) for f in of(outs, RequestFailed)] == [
+        ("r1", ErrorCode.OUT_OF_RANGE)
+    ]
+    assert replies(finish(ep, outs)) == [ReadDone(layer_idx=0)]  # v1: the plain read_done

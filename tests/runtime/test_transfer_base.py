@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import subprocess
 import sys
 import threading
@@ -213,3 +214,51 @@ def test_mooncake_without_its_system_libraries_says_what_to_install(
     monkeypatch.setattr(sys, "meta_path", [BrokenEngine(), *sys.meta_path])
     with pytest.raises(ConfigError, match="apt-get install libibverbs1 librdmacm1"):
         create_backend("mooncake", role="decode")
+
+
+def _runner_threads(name: str) -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == f"rd2h-{name}-call"]
+
+
+def test_runner_keeps_one_worker_thread_across_calls_and_after_a_timeout() -> None:
+    runner = BlockingCallRunner("reuse")
+    idents = {runner.run(threading.get_ident, time.monotonic() + 5, "who") for _ in range(20)}
+    assert len(idents) == 1 and threading.get_ident() not in idents
+    assert len(_runner_threads("reuse")) == 1
+    release = threading.Event()
+    with pytest.raises(TransferError, match="timed out"):
+        runner.run(lambda: release.wait(10), time.monotonic() + 0.05, "slow")
+    with pytest.raises(TransferError, match="still running"):
+        runner.run(threading.get_ident, time.monotonic() + 5, "refused")
+    release.set()
+    assert runner.wait_idle(5)
+    assert runner.run(threading.get_ident, time.monotonic() + 5, "after") in idents
+    runner.close()
+    runner.close()  # idempotent
+    deadline = time.monotonic() + 5
+    while _runner_threads("reuse") and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not _runner_threads("reuse")
+    # a call after close starts a new worker
+    assert runner.run(lambda: 3, time.monotonic() + 5, "again") == 3
+    runner.close()
+
+
+def test_runner_close_waits_for_the_running_call_and_a_dropped_runner_stops() -> None:
+    runner = BlockingCallRunner("drop")
+    release = threading.Event()
+    with pytest.raises(TransferError, match="timed out"):
+        runner.run(lambda: release.wait(10), time.monotonic() + 0.05, "slow")
+    runner.close()
+    (worker,) = _runner_threads("drop")
+    assert runner.busy and worker.is_alive()  # the call still runs: the worker stays
+    release.set()
+    worker.join(5)
+    assert not worker.is_alive() and runner.wait_idle(0)
+    runner2 = BlockingCallRunner("drop2")
+    runner2.run(lambda: None, time.monotonic() + 5, "one")
+    (worker2,) = _runner_threads("drop2")
+    del runner2
+    gc.collect()
+    worker2.join(5)
+    assert not worker2.is_alive()

@@ -7,6 +7,9 @@ NPU (protocol names, role, region budget, one engine per process) is checked fir
 
 from __future__ import annotations
 
+import threading
+from typing import Any
+
 import memfabric_hybrid
 import pytest
 
@@ -68,3 +71,68 @@ def test_region_budget() -> None:
     # adjacent blocks of one tensor merge into one region, well inside the budget
     blocks = [(i * 1024, 1024) for i in range(10 * MAX_REGISTER_REGIONS)]
     check_region_budget(merge_regions(blocks))
+
+
+class _FakeEngine:
+    """memfabric_hybrid.TransferEngine's calls as the backend makes them, with no NPU."""
+
+    def __init__(self) -> None:
+        self.threads: list[int] = []
+        self.gate = threading.Event()
+        self.gate.set()
+        self.closed = False
+
+    def get_rpc_port(self) -> int:
+        return 4242
+
+    def initialize(self, *args: Any, **kwargs: Any) -> int:
+        return 0
+
+    def batch_register_memory(self, addrs: list[int], sizes: list[int]) -> int:
+        return 0
+
+    def batch_transfer_sync_read(
+        self, session: str, dst: list[int], src: list[int], size: list[int]
+    ) -> int:
+        self.threads.append(threading.get_ident())
+        self.gate.wait(10)
+        return 0
+
+    def destroy(self) -> None:
+        self.closed = True
+
+    def unInitialize(self) -> None:
+        pass
+
+
+def test_reads_run_on_one_persistent_worker_with_the_same_deadline_semantics(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    engine = _FakeEngine()
+    monkeypatch.setattr(memfabric_hybrid, "TransferEngine", lambda: engine)
+    backend = create_backend("memfabric", role="decode")
+    backend.register([(0x10000, 4096)])
+
+    def read(timeout_s: float = 5.0) -> None:
+        backend.read("127.0.0.1:1", [0x900000], [0x10000], [4096], timeout_s=timeout_s)
+
+    for _ in range(5):
+        read()
+    assert len(set(engine.threads)) == 1 and threading.get_ident() not in engine.threads
+    engine.gate.clear()
+    with pytest.raises(TransferError, match="timed out") as info:
+        read(0.05)
+    assert not info.value.transient and not backend.quiesce(0.01)
+    with pytest.raises(TransferError, match="still running") as busy:
+        read()
+    assert busy.value.transient
+    engine.gate.set()
+    assert backend.quiesce(5)
+    read()
+    assert len(set(engine.threads)) == 1  # the same thread after the timed-out call
+    workers = [t for t in threading.enumerate() if t.name == "rd2h-memfabric-call"]
+    backend.close()
+    assert engine.closed
+    for worker in workers:
+        worker.join(5)
+        assert not worker.is_alive()

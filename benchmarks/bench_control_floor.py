@@ -1,0 +1,459 @@
+"""Benchmark: a layer's control cost as a multiple of the socket floor, with a breakdown.
+
+Run from the repository root::
+
+    python -m benchmarks.bench_control_floor            # 1x16 and 64x256 layers
+    python -m benchmarks.bench_control_floor --repeats 64
+
+THE FLOOR is a bare pyzmq DEALER/ROUTER ping-pong on 127.0.0.1 (one thread per socket,
+as the runtime has one I/O thread per socket set), with the frame sizes one layer's
+readiness and its reply have on the wire (measured from the same run). Nothing can
+answer a readiness faster than that.
+
+THE LAYER is one :class:`~rd2h_runtime.prefill.PrefillWorker` and one
+:class:`~rd2h_runtime.decode.DecodeWorker` in this process on real ZMQ sockets, with the
+no-copy backend of ``benchmarks.bench_control_plane`` (the base class's checks run, the
+engine moves nothing). Two costs per layer:
+
+* Decode round trip: the readiness frame handed to the Prefill socket -> its reply
+  handed to the Prefill endpoint (the floor plus everything Decode does);
+* publish -> gate reopen: ``layer_written`` -> ``wait_writable`` returns (what the
+  Prefill compute thread sees).
+
+The breakdown is timed by wrapping the workers' calls from outside (instance attributes
+and the module's ``encode``; no worker code changes): Prefill publish (the endpoint's
+``layer_written``: building and encoding the frame), Decode's frame handling (decode,
+validate, the protocol's plan), descriptor planning, the engine call, the endpoint's
+``read_finished``, encoding the reply, and Prefill's reply handling. Shapes: 1 request x
+16 blocks and 64 requests x 256 blocks, random and contiguous destinations. Medians.
+
+Goals (issue 13): 1x16 -- Decode round trip <= floor + 0.1 ms, publish -> gate reopen
+<= 0.25 ms; 64x256 random -- Decode round trip <= 1.0 ms, publish -> gate <= 0.8 ms.
+
+A last table compares the Decode endpoint's handling of one readiness (decode + plan +
+descriptors) for a v1 Prefill (a layout without ``num_blocks``) and a v2 one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import msgspec
+import zmq
+
+from benchmarks.bench_control_plane import LAYERS, Pair, decode_layers, prefill_layers
+from benchmarks.bench_datapath import backend_layer_reader
+from rd2h_protocol.codec import encode
+from rd2h_protocol.consumer import ConsumerConfig, ConsumerEndpoint, StartRead
+from rd2h_protocol.errors import ProtocolError
+from rd2h_protocol.layout import encode_layer_metadata
+from rd2h_protocol.messages import MfMeta, ReadReadyBatch, ReadReq
+from rd2h_runtime.planning import build_descriptors
+from rd2h_runtime.transfer.base import BlockingCallRunner
+
+HOST = "127.0.0.1"
+SHAPES = ((1, 16), (64, 256))
+GOALS = {  # (requests, blocks, contiguous) -> (decode round trip beyond floor | total, gate)
+    (1, 16): ("floor+", 0.1e-3, 0.25e-3),
+    (64, 256): ("total", 1.0e-3, 0.8e-3),
+}
+
+
+# -- the floor -----------------------------------------------------------------------------
+
+
+def socket_floor(request_bytes: int, reply_bytes: int, repeats: int) -> float:
+    """Median DEALER -> ROUTER -> DEALER round trip of frames of these sizes (seconds)."""
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port(f"tcp://{HOST}")
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(f"tcp://{HOST}:{port}")
+    reply = b"r" * reply_bytes
+    payload = b"q" * request_bytes
+    stop = b""
+
+    def echo() -> None:
+        while True:
+            peer, frame = router.recv_multipart(copy=False)
+            if len(frame) == 0:
+                return
+            router.send_multipart([peer, reply], copy=False)
+
+    thread = threading.Thread(target=echo, daemon=True)
+    thread.start()
+    times = []
+    try:
+        for i in range(repeats + 20):
+            t0 = time.perf_counter()
+            dealer.send(payload, copy=False)
+            dealer.recv(copy=False)
+            if i >= 20:  # warm-up: connection, first allocations
+                times.append(time.perf_counter() - t0)
+        dealer.send(stop)
+        thread.join(5.0)
+    finally:
+        dealer.close()
+        router.close()
+        ctx.term()
+    return statistics.median(times)
+
+
+# -- the layer, instrumented from outside ----------------------------------------------------
+
+
+class Probe:
+    """Wraps callables and records, per layer, when they started and ended."""
+
+    def __init__(self) -> None:
+        self.marks: dict[str, float] = {}
+        self.sizes: dict[str, int] = {}
+
+    def wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        marks = self.marks
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            marks[name + ">"] = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                marks[name + "<"] = time.perf_counter()
+
+        return timed
+
+
+def instrument(pair: Pair, probe: Probe) -> None:
+    """Wrap the calls one layer passes through (instance attributes: no worker code
+    changes); ``X>``/``X<`` marks when call X started/ended for the latest layer."""
+    p, d = pair.prefill, pair.decode
+    p_ep: Any = p._endpoint
+    d_ep: Any = d._endpoint
+    p_ep.layer_written = probe.wrap("P publish", p_ep.layer_written)
+    p_ep.receive = probe.wrap("P reply", p_ep.receive)
+    d_ep.receive_frame = probe.wrap("D frame", d_ep.receive_frame)
+    d_ep.read_finished = probe.wrap("D read_finished", d_ep.read_finished)
+    d._planner = probe.wrap("D plan", d._planner)
+    backend: Any = d._backend
+    backend.read = probe.wrap("D engine", backend.read)
+    p_send, d_send = p._send, d._send
+
+    def send_readiness(conn: str, payload: bytes) -> None:
+        probe.marks["P send>"] = time.perf_counter()
+        probe.sizes["readiness"] = len(payload)
+        p_send(conn, payload)
+
+    def send_reply(peer: bytes, payload: bytes) -> None:
+        probe.marks["D send>"] = time.perf_counter()
+        probe.sizes["reply"] = len(payload)
+        d_send(peer, payload)
+
+    p._send = send_readiness  # type: ignore[method-assign]
+    d._send = send_reply  # type: ignore[method-assign]
+    # the I/O threads: when a frame is handed to ZMQ (after the wake-up from the thread
+    # that queued it), and when a readable socket is served
+    client: Any = p._client
+    server: Any = d._server
+    flush_conn = client._flush_conn_locked
+
+    def p_flush(c: Any) -> None:
+        if c.outbox:
+            probe.marks["P zmq send>"] = time.perf_counter()
+        flush_conn(c)
+
+    client._flush_conn_locked = p_flush
+    server_flush = server._flush
+
+    def d_flush() -> None:
+        if server._outbox:
+            probe.marks["D zmq send>"] = time.perf_counter()
+        server_flush()
+
+    server._flush = d_flush
+
+
+# (label, from mark, to mark): one layer's path, in order, as consecutive intervals.
+TIMELINE = (
+    ("P publish: endpoint, encode", "P publish>", "P send>"),
+    ("P hop: compute -> I/O (wake-up)", "P send>", "P zmq send>"),
+    ("P->D: TCP, D poll, recv", "P zmq send>", "D frame>"),
+    ("D frame: decode, validate, plan", "D frame>", "D frame<"),
+    ("D hop: I/O -> read worker", "D frame<", "D plan>"),
+    ("D descriptors", "D plan>", "D plan<"),
+    ("D checks before the engine", "D plan<", "D engine>"),
+    ("D engine call (no-copy)", "D engine>", "D engine<"),
+    ("D hop: engine -> read_finished", "D engine<", "D read_finished>"),
+    ("D read_finished", "D read_finished>", "D read_finished<"),
+    ("D encode reply", "D read_finished<", "D send>"),
+    ("D hop: read worker -> I/O (wake)", "D send>", "D zmq send>"),
+    ("D->P: TCP, P poll, recv", "D zmq send>", "P reply>"),
+    ("P reply handling", "P reply>", "P reply<"),
+    ("P hop: I/O -> compute thread", "P reply<", "gate"),
+)
+
+
+def measure_layer(
+    requests: int, blocks: int, contiguous: bool, repeats: int
+) -> tuple[list[float], list[float], dict[str, float], dict[str, int]]:
+    """Per-layer (Decode round trip, publish -> gate reopen) samples, the median of each
+    TIMELINE interval, and the frame sizes."""
+    probe = Probe()
+    pair = Pair(build_descriptors, requests, blocks, contiguous=contiguous, seed=0)
+    try:
+        instrument(pair, probe)
+        for _ in range(2):  # warm-up: handshake, first allocations, caches
+            pair.step(range(LAYERS))
+        round_trips: list[float] = []
+        gates: list[float] = []
+        parts: dict[str, list[float]] = defaultdict(list)
+        marks = probe.marks
+        while len(gates) < repeats:
+            for ext, main, idx in pair.chunks:
+                pair.prefill.schedule_chunk(ext, main, idx, 0, 0, False)
+            for layer in range(LAYERS):
+                marks.clear()
+                t0 = time.perf_counter()
+                pair.prefill.layer_written(layer)
+                if not pair.prefill.wait_writable(layer, 30.0):
+                    raise TimeoutError(f"no reply for layer {layer} within 30 s")
+                marks["gate"] = time.perf_counter()
+                gates.append(marks["gate"] - t0)
+                round_trips.append(marks["P reply>"] - marks["P send>"])
+                for label, a, b in TIMELINE:
+                    parts[label].append(marks[b] - marks[a])
+            pair.prefill.end_step()
+        medians = {label: statistics.median(v) for label, v in parts.items()}
+        return round_trips, gates, medians, dict(probe.sizes)
+    finally:
+        pair.close()
+
+
+# -- v1 vs v2 planning -----------------------------------------------------------------------
+
+
+def handling(
+    requests: int, blocks: int, repeats: int, *, num_blocks: bool, fast: bool = True
+) -> float:
+    """Median Decode handling of one readiness of a v1 session, layer after layer of the
+    same step: ``receive_frame`` (decode, validate, plan), descriptors, ``read_finished``.
+
+    ``num_blocks``: the Prefill layout carries the v2 key; ``fast`` False forces the
+    general decode path (how a layout without it was served before).
+    """
+    rng = random.Random(0)
+    pool = requests * blocks * 2
+    d_layers = decode_layers(pool)
+    ep = ConsumerEndpoint(ConsumerConfig(d_rank=0, d_tp=1, layers=d_layers))
+    if not fast:
+        ep._decode_bounded = lambda peer, frame: None  # type: ignore[method-assign]
+    layouts = {
+        name: msgspec.structs.replace(layout, num_blocks=pool if num_blocks else None)
+        for name, layout in prefill_layers(pool)
+    }
+    peer = b"prefill-0"
+    meta = MfMeta(p_session="p0", encoded_layer_metadata=encode_layer_metadata(layouts))
+    ep.receive_frame(peer, encode(meta), 0.0)
+    src, dst = list(range(pool)), list(range(pool))
+    rng.shuffle(src)
+    rng.shuffle(dst)
+    entries = []
+    for r in range(requests):
+        ids = src[r * blocks : (r + 1) * blocks]
+        ep.add_request(f"req-{r}", dst[r * blocks : (r + 1) * blocks], ids, 0.0)
+        entries.append(ReadReq(f"req-{r}", ids, ids, 0, 0))
+    names = [name for name, _ in d_layers]
+    times = []
+    for i in range(repeats + LAYERS):
+        layer = i % LAYERS
+        frame = encode(ReadReadyBatch(layer_idx=layer, layer_name=names[layer], read_reqs=entries))
+        t0 = time.perf_counter()
+        (start,) = [o for o in ep.receive_frame(peer, frame, 0.0) if isinstance(o, StartRead)]
+        build_descriptors(start.plan)
+        ep.read_finished(start.plan.read_id, None, 0.0)
+        if i >= LAYERS:  # warm-up: the first step
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def planning_v1_v2(
+    requests: int, blocks: int, repeats: int
+) -> list[tuple[str, float, float, float]]:
+    """(shape, v1 layout before, v1 layout now, with num_blocks) medians."""
+    return [
+        (
+            f"{requests}x{blocks}",
+            handling(requests, blocks, repeats, num_blocks=False, fast=False),
+            handling(requests, blocks, repeats, num_blocks=False),
+            handling(requests, blocks, repeats, num_blocks=True),
+        )
+    ]
+
+
+# -- per-read fixed cost of each backend ----------------------------------------------------
+
+
+def thread_per_call(fn: Callable[[], object], deadline: float) -> None:
+    """BASELINE: how BlockingCallRunner ran an engine call before, a new thread per call."""
+    done = threading.Event()
+
+    def target() -> None:
+        try:
+            fn()
+        finally:
+            done.set()
+
+    threading.Thread(target=target, daemon=True).start()
+    if not done.wait(max(0.0, deadline - time.monotonic())):
+        raise TimeoutError
+
+
+def median_call(fn: Callable[[], object], repeats: int) -> float:
+    for _ in range(5):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def runner_costs(repeats: int) -> tuple[float, float]:
+    """(thread per call, persistent worker) median cost of running an empty engine call."""
+    runner = BlockingCallRunner("bench")
+    try:
+        old = median_call(lambda: thread_per_call(lambda: None, time.monotonic() + 5), repeats)
+        new = median_call(lambda: runner.run(lambda: None, time.monotonic() + 5, "x"), repeats)
+    finally:
+        runner.close()
+    return old, new
+
+
+def backend_fixed_costs(
+    backends: Sequence[str], repeats: int
+) -> list[tuple[str, str, float | str, float | str]]:
+    """Per backend: median ``read()`` of 1 x 4 KiB and of 48 x 1 KiB (a 1x16 layer's
+    K, V and indexer blocks) from a Prefill source process; the bytes are checked."""
+    rows: list[tuple[str, str, float | str, float | str]] = []
+    for name in backends:
+        cells: list[float | str] = []
+        try:
+            for nbytes, chunk in ((4096, 4096), (48 * 1024, 1024)):
+                with backend_layer_reader(name, nbytes, chunk=chunk, timeout_s=30.0) as (
+                    read_layer,
+                    verify,
+                    _,
+                ):
+                    cells.append(median_call(read_layer, repeats))
+                    if not verify():
+                        raise AssertionError(f"{name} read wrong bytes")
+        except (ProtocolError, ImportError, RuntimeError, AssertionError, OSError) as exc:
+            rows.append(
+                (name, f"n/a ({type(exc).__name__}: {str(exc).splitlines()[0][:70]})", "", "")
+            )
+            continue
+        rows.append((name, "", cells[0], cells[1]))
+    return rows
+
+
+def fmt_ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3f}"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    ap.add_argument("--repeats", type=int, default=48, help="layers per shape (median)")
+    ap.add_argument("--floor-repeats", type=int, default=2000)
+    ap.add_argument("--backends", nargs="*", default=["loopback", "nixl", "mooncake", "memfabric"])
+    ap.add_argument("--strict", action="store_true", help="exit 1 when a goal is missed")
+    args = ap.parse_args(argv)
+
+    print(
+        "layer control cost against the socket floor (bare DEALER/ROUTER ping-pong, same "
+        f"frame sizes), no-copy backend, {HOST}, medians of {args.repeats} layers"
+    )
+    rows = []
+    breakdowns = []
+    missed = []
+    for requests, blocks in SHAPES:
+        for contiguous in (False, True):
+            rts, gates, parts, sizes = measure_layer(requests, blocks, contiguous, args.repeats)
+            floor = socket_floor(sizes["readiness"], sizes["reply"], args.floor_repeats)
+            rt, gate = statistics.median(rts), statistics.median(gates)
+            shape = f"{requests}x{blocks} {'contig' if contiguous else 'random'}"
+            rows.append((shape, sizes["readiness"], sizes["reply"], floor, rt, gate))
+            breakdowns.append((shape, parts))
+            kind, rt_goal, gate_goal = GOALS[(requests, blocks)]
+            if contiguous and (requests, blocks) == (64, 256):
+                continue  # the 64x256 goals name the random layer
+            rt_ok = (rt - floor <= rt_goal) if kind == "floor+" else rt <= rt_goal
+            if not rt_ok:
+                missed.append(f"{shape}: Decode round trip")
+            if gate > gate_goal:
+                missed.append(f"{shape}: publish -> gate reopen")
+
+    print(
+        f"{'layer':<16}{'frame B':>9}{'reply B':>9}{'floor ms':>10}{'D rtt ms':>10}"
+        f"{'x floor':>9}{'+floor ms':>10}{'gate ms':>9}{'x floor':>9}"
+    )
+    for shape, req_b, rep_b, floor, rt, gate in rows:
+        print(
+            f"{shape:<16}{req_b:>9}{rep_b:>9}{fmt_ms(floor):>10}{fmt_ms(rt):>10}"
+            f"{rt / floor:>8.1f}x{fmt_ms(rt - floor):>10}{fmt_ms(gate):>9}{gate / floor:>8.1f}x"
+        )
+    print(
+        "\nwhere a layer's time goes (ms, median of each interval; publish -> gate reopen is "
+        "their sum, up to medians not adding)"
+    )
+    print(f"{'interval':<34}" + "".join(f"{shape:>16}" for shape, _ in breakdowns))
+    for label, _, _ in TIMELINE:
+        cells = "".join(f"{fmt_ms(parts[label]):>16}" for _, parts in breakdowns)
+        print(f"{label:<34}{cells}")
+
+    print(
+        "\nDecode handling of one random readiness of a v1 session (receive_frame + "
+        "descriptors + read_finished), ms: layout without num_blocks on the general decode "
+        "path (before), on the fast path (now), and with the v2 num_blocks key"
+    )
+    print(f"{'layer':<10}{'no key, before':>16}{'no key, now':>13}{'num_blocks':>12}{'now/key':>9}")
+    for shape, before, now, keyed in planning_v1_v2(1, 16, args.repeats) + planning_v1_v2(
+        64, 256, args.repeats
+    ):
+        print(
+            f"{shape:<10}{fmt_ms(before):>16}{fmt_ms(now):>13}{fmt_ms(keyed):>12}"
+            f"{now / keyed:>8.2f}x"
+        )
+
+    print("\nper-read fixed cost of each backend (median read(), ms; bytes checked)")
+    print(f"{'backend':<10}{'1 x 4 KiB':>11}{'48 x 1 KiB':>12}")
+    for name, why, one, many in backend_fixed_costs(args.backends, args.repeats):
+        if why:
+            print(f"{name:<10}  {why}")
+        else:
+            assert isinstance(one, float) and isinstance(many, float)
+            print(f"{name:<10}{fmt_ms(one):>11}{fmt_ms(many):>12}")
+    old, new = runner_costs(args.floor_repeats // 4)
+    print(
+        f"engine-call runner (nixl, mooncake, memfabric), empty call: thread per call "
+        f"{fmt_ms(old)} ms, persistent worker {fmt_ms(new)} ms ({old / new:.1f}x)"
+    )
+
+    print(
+        "\ngoals: 1x16 D rtt <= floor + 0.100 ms and gate <= 0.250 ms; "
+        "64x256 random D rtt <= 1.000 ms and gate <= 0.800 ms"
+    )
+    print("missed: " + ("; ".join(missed) if missed else "none"))
+    return 1 if missed and args.strict else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
