@@ -18,6 +18,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("rd2h_runtime.bench", "run the benchmarks in benchmarks/ and print their ratios"),
     "spec": ("rd2h_protocol.spec", "regenerate (or --check) the protocol reference in specs/"),
     "proxy": ("rd2h_runtime.proxy", "OpenAI-compatible Prefill/Decode proxy with metaserver"),
+    "trace": (
+        "rd2h_runtime.timeline",
+        "merge protocol traces into a timeline ('rd2h trace check': replay them)",
+    ),
 }
 
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import queue
 import threading
@@ -73,6 +74,7 @@ from rd2h_runtime.control import (
     TimerDue,
 )
 from rd2h_runtime.planning import Descriptors, build_descriptors
+from rd2h_runtime.trace import Tracer, open_tracer
 from rd2h_runtime.transfer import TransferBackend
 
 __all__ = ["DecodeMetrics", "DecodeWorker", "Outcome", "ReadRecord", "destination_regions"]
@@ -177,6 +179,7 @@ class DecodeWorker:
         own_backend: bool = True,
         planner: Callable[[ReadPlan], Descriptors] = build_descriptors,
         on_read: Callable[[ReadRecord], None] | None = None,
+        trace_dir: str | None = None,
     ) -> None:
         self.config = config
         self._on_read = on_read
@@ -188,6 +191,8 @@ class DecodeWorker:
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self._endpoint = ConsumerEndpoint(config)
+        # None unless tracing is on (trace_dir or $RD2H_TRACE_DIR): see rd2h_runtime.trace.
+        self._tracer: Tracer | None = open_tracer(trace_dir, "decode", config.d_rank, config)
         self._outcomes: dict[str, Outcome] = {}
         self._releasable: set[str] = set()
         self._errors: list[BaseException] = []
@@ -210,6 +215,8 @@ class DecodeWorker:
             )
             self._server.start()
         except BaseException:
+            if self._tracer is not None:
+                self._tracer.close()
             if own_backend:
                 backend.close()
             raise
@@ -232,12 +239,20 @@ class DecodeWorker:
     ) -> None:
         """Register the request's destination block ids (logical order) on this rank."""
         main, idx = list(main_block_ids), list(indexer_block_ids)
-        self._call(lambda now: self._endpoint.add_request(ext_req_id, main, idx, now))
+        self._call(
+            lambda now: self._endpoint.add_request(ext_req_id, main, idx, now),
+            "add_request",
+            {"ext_req_id": ext_req_id, "main_block_ids": main, "indexer_block_ids": idx},
+        )
 
     def abort(self, ext_ids: Iterable[str], reason: str = "aborted by Decode") -> None:
         """Fail these requests now (``ABORTED``); their v2 Prefill peers are told."""
         ids = list(ext_ids)
-        self._call(lambda now: self._endpoint.abort(ids, reason, now))
+        self._call(
+            lambda now: self._endpoint.abort(ids, reason, now),
+            "abort",
+            {"ext_ids": ids, "reason": reason},
+        )
 
     def release(self, ext_req_id: str) -> bool:
         """vLLM is done with the request: True if its blocks may be freed now.
@@ -245,7 +260,11 @@ class DecodeWorker:
         Otherwise a read may still write them, and :meth:`wait_releasable` says when they
         may. The request's outcome is forgotten.
         """
-        self._call(lambda now: self._endpoint.release(ext_req_id, now))
+        self._call(
+            lambda now: self._endpoint.release(ext_req_id, now),
+            "release",
+            {"ext_req_id": ext_req_id},
+        )
         with self._lock:
             self._outcomes.pop(ext_req_id, None)
             if ext_req_id in self._releasable:
@@ -349,6 +368,8 @@ class DecodeWorker:
         finally:
             self._reads.put(None)
             self._reader.join(self._read_timeout_s + _CLOSE_TIMEOUT_S)
+            if self._tracer is not None:
+                self._tracer.close()
             if self._own_backend:
                 self._backend.close()
 
@@ -360,12 +381,36 @@ class DecodeWorker:
 
     # -- internals -------------------------------------------------------------------------
 
-    def _call(self, fn: Callable[[float], list[Output]]) -> None:
+    def _call(
+        self,
+        fn: Callable[[float], list[Output]],
+        op: str = "",
+        args: dict[str, object] | None = None,
+    ) -> None:
         with self._lock:
             if self._closed:
                 raise ControlClosed("the Decode worker is closed")
-            reported = self._execute(fn(time.monotonic()))
+            reported = self._execute(self._traced(fn, time.monotonic(), op, args))
         self._report(reported)
+
+    def _traced(
+        self,
+        fn: Callable[[float], list[Output]],
+        now: float,
+        op: str,
+        args: dict[str, object] | None,
+    ) -> list[Output]:
+        """``fn(now)``, recorded in the trace when tracing is on. Lock held."""
+        tracer = self._tracer
+        if tracer is None:
+            return fn(now)
+        try:
+            outputs = fn(now)
+        except Exception as exc:
+            tracer.call(op, now, args, None, exc)
+            raise
+        tracer.call(op, now, args, outputs)
+        return outputs
 
     def _execute(self, outputs: list[Output]) -> list[Outcome]:
         """Execute ``outputs`` in order (lock held), then re-arm the timer."""
@@ -428,11 +473,20 @@ class DecodeWorker:
                 now = time.monotonic()
                 if isinstance(event, PeerFrame):
                     before = self._refusal_counts()
-                    outs = self._endpoint.receive_frame(event.peer, event.payload, now)
+                    outs = self._traced(
+                        lambda t: self._endpoint.receive_frame(event.peer, event.payload, t),
+                        now,
+                        "receive_frame",
+                        None
+                        if self._tracer is None
+                        else {"peer": event.peer, "frame": event.payload},
+                    )
                     reported = self._execute(outs)
                     self._log_refusals(event.peer, before, now)
                 elif isinstance(event, TimerDue):
-                    reported = self._execute(self._endpoint.handle_timer(now))
+                    reported = self._execute(
+                        self._traced(self._endpoint.handle_timer, now, "handle_timer", None)
+                    )
                 elif isinstance(event, PeerSendFailed):
                     self.metrics.send_failures += 1
                 elif isinstance(event, ConnectionEvent):
@@ -490,7 +544,13 @@ class DecodeWorker:
                     self._pending_reads -= 1
                     if self._closed:
                         continue
-                    outs = self._endpoint.read_finished(item.plan.read_id, error, time.monotonic())
+                    read_id = item.plan.read_id
+                    outs = self._traced(
+                        functools.partial(self._endpoint.read_finished, read_id, error),
+                        time.monotonic(),
+                        "read_finished",
+                        None if self._tracer is None else {"read_id": read_id, "error": error},
+                    )
                     reported = self._execute(outs)
             except Exception as exc:
                 with self._lock:
@@ -596,9 +656,10 @@ class DecodeWorker:
             self.metrics.reads += 1
             self.metrics.read_bytes += nbytes
             self.metrics.descriptors += ndesc
-        self._last_read = ReadRecord(
-            plan.layer_name, nbytes, ndesc, time.monotonic() - start, error
-        )
+        end = time.monotonic()
+        self._last_read = ReadRecord(plan.layer_name, nbytes, ndesc, end - start, error)
+        if self._tracer is not None:
+            self._tracer.read(plan.read_id, plan.layer_name, start, end, nbytes, ndesc, error)
         return error
 
     def _observe_read(self) -> None:

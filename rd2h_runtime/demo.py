@@ -16,6 +16,7 @@ import argparse
 import contextlib
 import importlib
 import json
+import os
 import statistics
 import sys
 import time
@@ -114,6 +115,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=120.0, help="seconds allowed per wave")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument(
+        "--trace",
+        metavar="DIR",
+        help="write every rank's protocol trace into DIR (then: rd2h trace DIR)",
+    )
+    p.add_argument(
         "--vllm",
         action="store_true",
         help="instead: two tiny real vLLM servers (Prefill, Decode) and rd2h proxy, "
@@ -204,6 +210,7 @@ def run(args: argparse.Namespace) -> DemoReport:
         contiguous=not args.scattered,
         compat=compat or None,
         read_timeout_s=max(1.0, args.lease_ms / 1000 / 4),
+        trace_dir=args.trace,
     )
     prefill_spec = PrefillSpec(
         model=model,
@@ -214,6 +221,7 @@ def run(args: argparse.Namespace) -> DemoReport:
         compat=compat,
         contiguous=not args.scattered,
         gate_timeout_s=args.timeout,
+        trace_dir=args.trace,
     )
     decode = EngineProcess("decode", decode_spec, timeout=args.timeout)
     try:
@@ -342,6 +350,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps(report.as_dict(), indent=2))
     else:
         print(render(report))
+    if args.trace:
+        out = os.path.join(args.trace, "timeline.json")
+        print(
+            f"traces: {args.trace}; timeline: rd2h trace {args.trace} -o {out}; "
+            f"replay check: rd2h trace check {args.trace}",
+            file=sys.stderr if args.json else sys.stdout,
+        )
     return 0 if report.ok else 1
 
 

@@ -208,6 +208,7 @@ class DecodeSpec:
     host: str = HOST  # ROUTERs and backend bind / advertise this address
     port: int = 0  # rank 0's port (ranks on port..port+d_tp-1); 0: any free run of ports
     netns: str | None = None  # child engines only: run in this network namespace
+    trace_dir: str | None = None  # protocol traces of every rank go here (rd2h_runtime.trace)
 
 
 @dataclass(frozen=True)
@@ -293,6 +294,7 @@ class DecodeEngine:
                             regions=self.dest.regions(rank),
                             control_options=spec.control,
                             read_timeout_s=spec.read_timeout_s,
+                            trace_dir=spec.trace_dir,
                         )
                     )
                 return workers
@@ -404,6 +406,7 @@ class PrefillSpec:
     control: ControlOptions = FAST_CONTROL
     host: str = HOST  # the backend binds / advertises this address
     netns: str | None = None  # child engines only: run in this network namespace
+    trace_dir: str | None = None  # protocol traces of every rank go here (rd2h_runtime.trace)
 
 
 @dataclass
@@ -465,6 +468,7 @@ class PrefillEngine:
             control_options=spec.control,
             on_finished=on_finished,
             name=f"p{rank}-{os.getpid()}",
+            trace_dir=spec.trace_dir,
         )
         on_layer = None
         if spec.die_after_layer is not None and rank == 0:

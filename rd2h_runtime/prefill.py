@@ -67,6 +67,7 @@ from rd2h_runtime.control import (
     QueueFull,
     TimerDue,
 )
+from rd2h_runtime.trace import Tracer, open_tracer
 from rd2h_runtime.transfer import TransferBackend
 
 __all__ = ["PrefillMetrics", "PrefillWorker", "layout_regions"]
@@ -150,6 +151,7 @@ class PrefillWorker:
         own_backend: bool = True,
         name: str | None = None,
         declare_dead_on_disconnect: bool = True,
+        trace_dir: str | None = None,
     ) -> None:
         self._backend = backend
         self._declare_dead = declare_dead_on_disconnect
@@ -172,6 +174,11 @@ class PrefillWorker:
             )
             self.config = dataclasses.replace(config, session=backend.session_id)
             self._endpoint = ProducerEndpoint(self.config)
+            # None unless tracing is on (trace_dir or $RD2H_TRACE_DIR): see rd2h_runtime.trace.
+            self._tracer: Tracer | None = open_tracer(
+                trace_dir, "prefill", config.p_rank, self.config, name=name or ""
+            )
+            self._trace_call: tuple[str, float, dict[str, object] | None] | None = None
             self._client = PrefillControlClient(
                 handler=self._on_event,
                 options=control_options,
@@ -179,6 +186,9 @@ class PrefillWorker:
             )
             self._client.start()
         except BaseException:
+            tracer = getattr(self, "_tracer", None)
+            if tracer is not None:
+                tracer.close()
             if own_backend:
                 backend.close()
             raise
@@ -187,7 +197,11 @@ class PrefillWorker:
 
     def add_request(self, ext_req_id: str, target: DecodeTarget) -> None:
         """Register a request to publish to the Decode engine ``target``."""
-        self._call(lambda now: self._endpoint.add_request(ext_req_id, target, now))
+        self._call(
+            lambda now: self._endpoint.add_request(ext_req_id, target, now),
+            "add_request",
+            {"ext_req_id": ext_req_id, "target": (target.host, target.base_port, target.d_tp)},
+        )
 
     def schedule_chunk(
         self,
@@ -207,7 +221,18 @@ class PrefillWorker:
                 main_start_block,
                 indexer_start_block,
                 final,
-            )
+            ),
+            "schedule_chunk",
+            None
+            if self._tracer is None
+            else {
+                "ext_req_id": ext_req_id,
+                "main_block_ids": tuple(main_block_ids),
+                "indexer_block_ids": tuple(indexer_block_ids),
+                "main_start_block": main_start_block,
+                "indexer_start_block": indexer_start_block,
+                "final": final,
+            },
         )
 
     def wait_writable(self, layer_idx: int, timeout: float) -> bool:
@@ -219,25 +244,30 @@ class PrefillWorker:
         """
         deadline = time.monotonic() + timeout
         with self._cond:
-            if self._endpoint.can_overwrite(layer_idx):
+            if self._can_overwrite(layer_idx):
                 return True
             self.metrics.gate_waits += 1
             start = time.monotonic()
+            ok = False
             try:
-                while not self._endpoint.can_overwrite(layer_idx):
+                while not self._can_overwrite(layer_idx):
                     left = deadline - time.monotonic()
                     if left <= 0 or self._closed:
                         self.metrics.gate_timeouts += 1
                         return False
                     self._cond.wait(left)
+                ok = True
                 return True
             finally:
-                self.metrics.gate_wait_s += time.monotonic() - start
+                end = time.monotonic()
+                self.metrics.gate_wait_s += end - start
+                if self._tracer is not None:
+                    self._tracer.gate(layer_idx, start, end, ok)
 
     def can_overwrite(self, layer_idx: int) -> bool:
         """Whether the storage of ``layer_idx`` is free now (never blocks)."""
         with self._lock:
-            return self._endpoint.can_overwrite(layer_idx)
+            return self._can_overwrite(layer_idx)
 
     def layer_written(self, layer_idx: int) -> None:
         """Layer ``layer_idx`` of the current step is in storage: publish it.
@@ -245,16 +275,20 @@ class PrefillWorker:
         Call only after :meth:`wait_writable` returned True for this layer (the endpoint
         raises :class:`~rd2h_protocol.errors.LocalProtocolError` otherwise).
         """
-        self._call(lambda now: self._endpoint.layer_written(layer_idx, now))
+        self._call(
+            lambda now: self._endpoint.layer_written(layer_idx, now),
+            "layer_written",
+            None if self._tracer is None else {"layer_idx": layer_idx},
+        )
 
     def end_step(self) -> None:
         """The engine step is over (requests whose chunk missed a layer fail)."""
-        self._call(self._endpoint.end_step)
+        self._call(self._endpoint.end_step, "end_step")
 
     def abort(self, ext_ids: Iterable[str]) -> None:
         """Stop publishing these requests; their v2 Decode endpoints are told."""
         ids = list(ext_ids)
-        self._call(lambda now: self._endpoint.abort(ids, now))
+        self._call(lambda now: self._endpoint.abort(ids, now), "abort", {"ext_ids": ids})
 
     # -- completions -----------------------------------------------------------------------
 
@@ -351,6 +385,8 @@ class PrefillWorker:
         try:
             self._client.close(_CLOSE_TIMEOUT_S)
         finally:
+            if self._tracer is not None:
+                self._tracer.close()
             if self._own_backend:
                 self._backend.close()
 
@@ -362,21 +398,68 @@ class PrefillWorker:
 
     # -- internals -------------------------------------------------------------------------
 
-    def _call(self, fn: Callable[[float], list[Output]]) -> None:
-        """Run one endpoint call and its outputs under the lock; report completions after."""
+    def _call(
+        self,
+        fn: Callable[[float], list[Output]],
+        op: str = "",
+        args: dict[str, object] | None = None,
+    ) -> None:
+        """Run one endpoint call and its outputs under the lock; report completions after.
+
+        ``op`` and ``args`` name the call for the trace (when tracing is on).
+        """
         with self._lock:
             if self._closed:
                 raise ControlClosed("the Prefill worker is closed")
-            finished = self._execute(fn(time.monotonic()))
+            finished = self._execute(self._traced(fn, time.monotonic(), op, args))
         self._report(finished)
+
+    def _traced(
+        self,
+        fn: Callable[[float], list[Output]],
+        now: float,
+        op: str,
+        args: dict[str, object] | None,
+    ) -> list[Output]:
+        """``fn(now)``, recorded in the trace when tracing is on. Lock held.
+
+        The record is made by the :meth:`_execute` of these outputs, which follows at once
+        under the same lock (so that it holds the frames as sent, encoded once).
+        """
+        tracer = self._tracer
+        if tracer is None:
+            return fn(now)
+        try:
+            outputs = fn(now)
+        except Exception as exc:
+            tracer.call(op, now, args, None, exc)
+            raise
+        self._trace_call = (op, now, args)
+        return outputs
+
+    def _can_overwrite(self, layer_idx: int) -> bool:
+        """The endpoint's ``can_overwrite``. Lock held. Under the "raise" policy it raises a
+        failed read's error once (a change of state): the trace records that call."""
+        if self._tracer is None:
+            return self._endpoint.can_overwrite(layer_idx)
+        try:
+            return self._endpoint.can_overwrite(layer_idx)
+        except Exception as exc:
+            now = time.monotonic()
+            self._tracer.call("can_overwrite", now, {"layer_idx": layer_idx}, None, exc)
+            raise
 
     def _execute(self, outputs: list[Output]) -> list[RequestFinished]:
         """Execute ``outputs`` in order (lock held), then re-arm the timer."""
         finished: list[RequestFinished] = []
         wake = False
+        sent: list[bytes] | None = None if self._tracer is None else []
         for out in outputs:
             if isinstance(out, Send):
-                self._send(out.conn, encode(out.msg))
+                payload = encode(out.msg)
+                self._send(out.conn, payload)
+                if sent is not None:
+                    sent.append(payload)
             elif isinstance(out, GateOpened):
                 wake = True
             elif isinstance(out, RequestFinished):
@@ -410,6 +493,10 @@ class PrefillWorker:
             self._cond.notify_all()
         with contextlib.suppress(ControlClosed):  # closing: no timer can matter any more
             self._client.set_timer(self._next_timer())
+        if sent is not None and self._trace_call is not None and self._tracer is not None:
+            op, now, args = self._trace_call
+            self._trace_call = None
+            self._tracer.call(op, now, args, outputs, payloads=sent)
         return finished if self._on_finished is not None else []
 
     def _send(self, conn: str, payload: bytes) -> None:
@@ -448,7 +535,14 @@ class PrefillWorker:
                 now - (broke_at - self._grace_s),
             )
             # What was in flight may have gone down with the old connection.
-            return self._execute(self._endpoint.connection_resumed(conn, now))
+            return self._execute(
+                self._traced(
+                    lambda t: self._endpoint.connection_resumed(conn, t),
+                    now,
+                    "connection_resumed",
+                    {"conn": conn},
+                )
+            )
         self.metrics.disconnects += 1
         if not self._declare_dead or conn not in self._endpoint.connections():
             return []
@@ -487,7 +581,14 @@ class PrefillWorker:
             return []
         log.warning("Decode endpoint %s: connection %s, declaring it lost", conn, reason)
         self._client.disconnect(conn)
-        return self._execute(self._endpoint.connection_lost(conn, now))
+        return self._execute(
+            self._traced(
+                lambda t: self._endpoint.connection_lost(conn, t),
+                now,
+                "connection_lost",
+                {"conn": conn},
+            )
+        )
 
     def _report(self, finished: list[RequestFinished]) -> None:
         callback = self._on_finished
@@ -508,10 +609,21 @@ class PrefillWorker:
                     return
                 now = time.monotonic()
                 if isinstance(event, ConnFrame):
-                    finished = self._execute(self._endpoint.receive(event.conn, event.payload, now))
+                    finished = self._execute(
+                        self._traced(
+                            lambda t: self._endpoint.receive(event.conn, event.payload, t),
+                            now,
+                            "receive",
+                            None
+                            if self._tracer is None
+                            else {"conn": event.conn, "frame": event.payload},
+                        )
+                    )
                 elif isinstance(event, TimerDue):
                     finished = self._grace_over(now)
-                    finished += self._execute(self._endpoint.handle_timer(now))
+                    finished += self._execute(
+                        self._traced(self._endpoint.handle_timer, now, "handle_timer", None)
+                    )
                 elif isinstance(event, ConnectionEvent):
                     finished = self._connection_event(event, now)
         except Exception as exc:

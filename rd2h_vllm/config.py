@@ -82,6 +82,9 @@ EXTRA_DEFAULTS: Final[Mapping[str, object]] = {
     # Decode: the host Prefill connects to, as posted in the rendezvous (default: vLLM's
     # get_ip(), which honours VLLM_HOST_IP).
     "advertise_host": None,
+    # Both roles: write every rank's protocol trace (NDJSON) into this directory; null:
+    # off, unless RD2H_TRACE_DIR is set (see rd2h_runtime.trace and `rd2h trace`).
+    "trace_dir": None,
 }
 
 _MAX_LEASE_MS: Final = (1 << 32) - 1  # lease_ms is a uint32 on the wire
@@ -139,6 +142,7 @@ class Rd2hConfig:
     device_type: str
     peer_tp_size: int | None
     advertise_host: str | None = None
+    trace_dir: str | None = None
 
     @property
     def is_producer(self) -> bool:
@@ -438,6 +442,14 @@ def parse_config(
         )
         advertise_host = None
 
+    trace_dir = values["trace_dir"]
+    if trace_dir is not None and (not isinstance(trace_dir, str) or not trace_dir):
+        problems.add(
+            f"kv_connector_extra_config.trace_dir={trace_dir!r}: a directory to write the "
+            "protocol traces into, or null for no tracing"
+        )
+        trace_dir = None
+
     sparse = additional_config.get("sparse_kv_offload_config") or {}
     sparse_enabled = bool(sparse.get("enabled", False)) if isinstance(sparse, Mapping) else False
     if role == "kv_producer" and sparse_enabled:
@@ -477,6 +489,7 @@ def parse_config(
         device_type=device_type,
         peer_tp_size=peer_tp,
         advertise_host=advertise_host,
+        trace_dir=trace_dir,
     )
 
 

@@ -419,6 +419,7 @@ class PrefillSide:
             control_options=control_options,
             on_finished=self._on_finished,
             name=f"rd2h-p{tp.rank}",
+            trace_dir=config.trace_dir,
         )
 
     # -- introspection ---------------------------------------------------------------------
@@ -784,6 +785,7 @@ class DecodeSide:
             read_timeout_s=read_timeout_s,
             on_outcome=self._on_outcome,
             on_read=self._on_read,
+            trace_dir=config.trace_dir,
         )
 
     # -- introspection ---------------------------------------------------------------------

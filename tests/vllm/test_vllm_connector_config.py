@@ -7,6 +7,7 @@ rules, tested in depth in test_vllm_config.py).
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -15,7 +16,7 @@ from conftest import VllmConfigFactory
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.kv_cache_layout import KVCacheLayout
-from vllm_pd_harness import FAST_METASERVER, MAIN, allocate, kv_setup
+from vllm_pd_harness import FAST_METASERVER, MAIN, allocate, free_port_block, kv_setup
 
 from rd2h_protocol.errors import ConfigError
 from rd2h_vllm.config import CONNECTOR_MODULE, CONNECTOR_NAME
@@ -70,6 +71,8 @@ def own_caches(connector: SfaRemoteD2HConnector) -> dict[str, torch.Tensor]:
         (transfer("kv_consumer", kv_port=65535), {"tp": 2}, "does not leave room"),
         (transfer("kv_producer", peer_tp_size=4), {"tp": 2}, "Prefill TP must be a multiple"),
         ({**transfer("kv_consumer"), "kv_role": "kv_both"}, {}, "kv_both"),
+        (transfer("kv_producer", trace_dir=""), {}, "trace_dir"),
+        (transfer("kv_consumer", trace_dir=7), {}, "trace_dir"),
     ],
 )
 def test_bad_configuration_stops_the_constructor(
@@ -173,3 +176,25 @@ def test_tp_without_vllm_group_is_refused(make_vllm_config: VllmConfigFactory) -
     connector = build(make_vllm_config, transfer("kv_producer"), tp=2)
     with pytest.raises(ConfigError, match="TP group is not initialised"):
         connector.register_kv_caches(own_caches(connector))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("role", ["kv_producer", "kv_consumer"])
+def test_trace_dir_turns_on_the_protocol_trace(
+    make_vllm_config: VllmConfigFactory, role: str, tmp_path: Any
+) -> None:
+    """kv_connector_extra_config.trace_dir reaches the rank's worker: it writes its trace
+    there, starting with a header that names its role and holds its endpoint config."""
+    trace_dir = tmp_path / "trace"
+    kv = transfer(role, kv_port=free_port_block(1), trace_dir=str(trace_dir))
+    connector = build(make_vllm_config, kv)
+    connector.bind_tp_group(SingleRank())
+    try:
+        connector.register_kv_caches(own_caches(connector))
+    finally:
+        connector.shutdown()
+    [path] = list(trace_dir.glob("*.ndjson"))
+    header = json.loads(path.read_text().splitlines()[0])
+    want = "prefill" if role == "kv_producer" else "decode"
+    assert header["k"] == "hdr" and header["role"] == want and header["rank"] == 0
+    assert header["config"]["layers"]
