@@ -573,6 +573,18 @@ def write_png(tl: Timeline, path: str) -> bool:
             ax.plot([ev["ts"] / 1e3], [ev["pid"] - 0.3], "|", color="tab:green")
     ax.set_yticks(range(1, len(tl.streams) + 1), [s.label for s in tl.streams])
     ax.set_xlabel("ms")
+    patches = importlib.import_module("matplotlib.patches")
+    ax.legend(
+        handles=[
+            patches.Patch(color="tab:green", label="readiness published (Prefill)"),
+            patches.Patch(color="tab:red", label="waiting for a storage gate (Prefill)"),
+            patches.Patch(color="tab:blue", label="batched read starts (Decode)"),
+        ],
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.12),
+        ncol=3,
+        frameon=False,
+    )
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

@@ -153,7 +153,8 @@ def test_loopback_trace_timeline_summary_and_replay(
         == 0
     )
     out = capsys.readouterr().out
-    assert ("png: skipped" in out) != png.exists()
+    # matplotlib comes with the test extra (rd2h[timeline]).
+    assert f"png: {png}" in out and png.stat().st_size > 10_000, out
 
 
 def _lines(path: Path) -> list[str]:
