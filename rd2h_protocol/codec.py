@@ -19,6 +19,7 @@ so a later protocol version can append fields.
 
 from __future__ import annotations
 
+import operator
 import re
 from typing import Final
 
@@ -39,6 +40,8 @@ from rd2h_protocol.messages import (
     TAG_ACK_V1,
     Ack,
     Message,
+    ReadReadyBatch,
+    ReadReq,
 )
 
 _ENCODER: Final = msgspec.msgpack.Encoder()
@@ -83,6 +86,37 @@ def encode(msg: Message) -> bytes:
             f"{MAX_FRAME_BYTES}: split it"
         )
     return frame
+
+
+# Below this many entries re-encoding them costs less than checking that they are the same.
+_REUSE_MIN_ENTRIES: Final = 8
+
+
+class StepEncoder:
+    """:func:`encode` for one sender, reusing the encoded entries of a readiness whose
+    ``read_reqs`` are the very objects the previous readiness carried.
+
+    Every layer of an engine step publishes the same request chunks: the producer builds
+    each chunk once per step and never changes it. Re-encoding a 64 x 256-block step's
+    entries cost Prefill's compute path 0.3-0.4 ms per layer. The frames are byte for byte
+    those of :func:`encode` (a msgpack array's bytes do not depend on where it sits).
+    Entries must not be mutated once sent. Not thread-safe: one per sending thread or lock.
+    """
+
+    __slots__ = ("_entries", "_raw")
+
+    def __init__(self) -> None:
+        self._entries: list[ReadReq] = []
+        self._raw = msgspec.Raw()
+
+    def encode(self, msg: Message) -> bytes:
+        if type(msg) is not ReadReadyBatch or len(msg.read_reqs) < _REUSE_MIN_ENTRIES:
+            return encode(msg)
+        entries = msg.read_reqs
+        if len(entries) != len(self._entries) or not all(map(operator.is_, entries, self._entries)):
+            self._entries = list(entries)
+            self._raw = msgspec.Raw(_ENCODER.encode(entries))
+        return encode(msgspec.structs.replace(msg, read_reqs=self._raw))
 
 
 def _tag_of(frame: bytes | bytearray | memoryview) -> bytes:

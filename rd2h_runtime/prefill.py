@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Final
 
-from rd2h_protocol.codec import encode
+from rd2h_protocol.codec import StepEncoder
 from rd2h_protocol.errors import ConfigError, LocalProtocolError
 from rd2h_protocol.layout import LayerLayout
 from rd2h_protocol.producer import (
@@ -174,6 +174,7 @@ class PrefillWorker:
             )
             self.config = dataclasses.replace(config, session=backend.session_id)
             self._endpoint = ProducerEndpoint(self.config)
+            self._encoder = StepEncoder()  # under the lock, like the endpoint
             # None unless tracing is on (trace_dir or $RD2H_TRACE_DIR): see rd2h_runtime.trace.
             self._tracer: Tracer | None = open_tracer(
                 trace_dir, "prefill", config.p_rank, self.config, name=name or ""
@@ -456,7 +457,7 @@ class PrefillWorker:
         sent: list[bytes] | None = None if self._tracer is None else []
         for out in outputs:
             if isinstance(out, Send):
-                payload = encode(out.msg)
+                payload = self._encoder.encode(out.msg)
                 self._send(out.conn, payload)
                 if sent is not None:
                     sent.append(payload)

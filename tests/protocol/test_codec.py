@@ -32,6 +32,7 @@ from rd2h_protocol import (
     decode,
     encode,
 )
+from rd2h_protocol.codec import StepEncoder
 from rd2h_protocol.messages import (
     MAX_BLOCKS_PER_REQUEST,
     MAX_FRAME_BYTES,
@@ -375,3 +376,32 @@ def test_changelog_names_the_version_of_every_v2_field() -> None:
         for pos, field in enumerate(msgspec.structs.fields(cls)):
             row = f"| `{name}` | `{field.name}` ({pos}) |"
             assert (row in changelog) == (pos >= v1_fields), row
+
+
+def test_step_encoder_frames_are_those_of_encode() -> None:
+    # Every layer of a step carries the same chunk objects: their bytes are reused, and
+    # the frames stay exactly what encode() writes (v2 and trimmed v1 shapes alike).
+    chunks = [ReadReq(f"r{i}", list(range(i, i + 256)), [i], i, 0) for i in range(64)]
+    other = [ReadReq(f"s{i}", [i, i + 1], None) for i in range(16)]
+    step = StepEncoder()
+    messages = [
+        ReadReadyBatch(
+            layer_idx=layer,
+            layer_name=f"model.layers.{layer}",
+            read_reqs=entries,
+            done_ext_ids=done,
+            seq=seq,
+            lease_ms=lease,
+        )
+        for layer, entries, done, seq, lease in [
+            (0, chunks, [], 7, 30_000),
+            (1, list(chunks), [], 8, 29_000),  # a new list of the same objects
+            (2, chunks, ["r1"], None, None),  # v1 shape: trailing fields trimmed
+            (3, other, [], 9, 100),  # other entries
+            (4, chunks[:8], [], 10, 100),  # fewer of the same
+            (5, chunks[:3], [], 11, 100),  # below the reuse threshold
+            (6, [], ["r0"], 12, 100),
+        ]
+    ]
+    for msg in [*messages, Abort(ext_ids=["r0"], reason="x"), ReadDone(layer_idx=1, seq=3)]:
+        assert step.encode(msg) == encode(msg)
