@@ -5,8 +5,10 @@ read failures, UNKNOWN_SESSION, duplicates, drops), aborts from both sides, hear
 deaths and time. After every step the storage-slot invariant (S1) and the request
 bookkeeping are checked, and every publication that ended is checked to have ended
 safely: by a reply, or after its lease with its ABORT sent (v2) or its peer declared dead
-(v1 never receives an ABORT). At the end the peers are declared dead, time runs past
-every deadline and everything must be open and forgettable (L1, B1).
+(v1 never receives an ABORT): by the runtime's heartbeat, or by the endpoint itself once a
+peer holding storage stayed silent for ``silent_peer_timeout_s`` (a Disconnect output).
+At the end the peers are declared dead, time runs past every deadline and everything
+must be open and forgettable (L1, B1).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from rd2h_protocol.messages import (
 )
 from rd2h_protocol.producer import (
     DecodeTarget,
+    Disconnect,
     GateOpened,
     Output,
     ProducerConfig,
@@ -95,6 +98,8 @@ class ProducerModel(RuleBasedStateMachine):
                 self.finished[o.ext_req_id] = o
             elif isinstance(o, GateOpened):
                 assert self.ep.gates()[o.slot][0] == GATE_OPEN
+            elif isinstance(o, Disconnect):  # a silent peer declared dead by the endpoint
+                self.dead.update(uid for uid, (view, _) in self.seen.items() if view.conn == o.conn)
 
     # -- rules -----------------------------------------------------------------------------
 
