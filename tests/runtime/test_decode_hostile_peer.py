@@ -13,18 +13,14 @@ from collections.abc import Iterator
 import msgspec
 import pytest
 import zmq
-from test_decode_read_deadline import RecordingBackend
+from worker_pair import HOST, LAYER, RecordingBackend, closing, decode_worker, prefill_worker
 
-from rd2h_protocol.consumer import ConsumerConfig
-from rd2h_protocol.layout import ComponentDest, DestinationLayout, LayerLayout
-from rd2h_protocol.producer import DecodeTarget, ProducerConfig
+from rd2h_protocol.producer import DecodeTarget
 from rd2h_runtime.decode import DecodeWorker
 from rd2h_runtime.prefill import PrefillWorker
 
 pytestmark = pytest.mark.timeout(120)
 
-HOST = "127.0.0.1"
-LAYER = "model.layers.0.self_attn"
 BLOCKS = 64
 FLOOD_FRAMES = 40
 
@@ -37,31 +33,10 @@ def hostile_frame(n: int = 1_500_000) -> bytes:
 
 @pytest.fixture
 def pair() -> Iterator[tuple[PrefillWorker, DecodeWorker]]:
-    dest = DestinationLayout(
-        main=(ComponentDest(0x5000_0000, 64, BLOCKS), ComponentDest(0x6000_0000, 64, BLOCKS)),
-        indexer=None,
-        scale=None,
-    )
-    decode = DecodeWorker(
-        ConsumerConfig(d_rank=0, d_tp=1, layers=[(LAYER, dest)]),
-        RecordingBackend(role="decode"),
-        host=HOST,
-    )
-    source = LayerLayout(
-        base_addrs=[0x1000_0000, 0x2000_0000],
-        block_len=[64, 64],
-        tensor_group_idx=[0, 0],
-        num_blocks=BLOCKS,
-    )
-    prefill = PrefillWorker(
-        ProducerConfig(p_rank=0, p_tp=1, session="", layers=[(LAYER, source)], lease_ms=20_000),
-        RecordingBackend(role="prefill"),
-    )
-    try:
+    decode = decode_worker(RecordingBackend(role="decode"), BLOCKS)
+    prefill = prefill_worker(RecordingBackend(role="prefill"), BLOCKS, lease_ms=20_000)
+    with closing(prefill, decode):
         yield prefill, decode
-    finally:
-        prefill.close()
-        decode.close()
 
 
 def test_a_flood_of_refused_frames_does_not_starve_a_good_peer(

@@ -10,10 +10,9 @@ from collections.abc import Iterator
 from typing import Any, ClassVar
 
 import pytest
+from worker_pair import HOST, closing, decode_worker, prefill_worker
 
-from rd2h_protocol.consumer import ConsumerConfig
-from rd2h_protocol.layout import ComponentDest, DestinationLayout, LayerLayout
-from rd2h_protocol.producer import DecodeTarget, ProducerConfig
+from rd2h_protocol.producer import DecodeTarget
 from rd2h_runtime.decode import DecodeWorker
 from rd2h_runtime.prefill import PrefillWorker
 from rd2h_runtime.transfer import TransferBackend
@@ -21,8 +20,6 @@ from rd2h_runtime.transfer.base import BlockingCallRunner, U64Array
 
 pytestmark = pytest.mark.timeout(60)
 
-HOST = "127.0.0.1"
-LAYER = "model.layers.0.self_attn"
 BLOCKS = 8
 
 
@@ -65,32 +62,15 @@ class StuckBackend(TransferBackend):
 
 @pytest.fixture
 def pair() -> Iterator[tuple[PrefillWorker, DecodeWorker]]:
-    dest = DestinationLayout(
-        main=(ComponentDest(0x5000_0000, 64, BLOCKS), ComponentDest(0x6000_0000, 64, BLOCKS)),
-        indexer=None,
-        scale=None,
-    )
-    decode = DecodeWorker(
-        ConsumerConfig(d_rank=0, d_tp=1, layers=[(LAYER, dest)], kv_load_timeout_s=0.5),
+    decode = decode_worker(
         StuckBackend(role="decode"),
-        host=HOST,
+        BLOCKS,
+        consumer={"kv_load_timeout_s": 0.5},
         read_timeout_s=0.3,
     )
-    source = LayerLayout(
-        base_addrs=[0x1000_0000, 0x2000_0000],
-        block_len=[64, 64],
-        tensor_group_idx=[0, 0],
-        num_blocks=BLOCKS,
-    )
-    prefill = PrefillWorker(
-        ProducerConfig(p_rank=0, p_tp=1, session="", layers=[(LAYER, source)], lease_ms=20_000),
-        StuckBackend(role="prefill"),
-    )
-    try:
+    prefill = prefill_worker(StuckBackend(role="prefill"), BLOCKS, lease_ms=20_000)
+    with closing(prefill, decode):
         yield prefill, decode
-    finally:
-        prefill.close()
-        decode.close()
 
 
 def test_blocks_of_a_read_whose_engine_call_outlived_it_stay_held(

@@ -3,106 +3,30 @@ past receipt + lease Prefill may reuse the storage, so no read may run on after 
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections.abc import Iterator
-from typing import Any, ClassVar
 
 import pytest
+from worker_pair import HOST, RecordingBackend, closing, decode_worker, prefill_worker
 
-from rd2h_protocol.consumer import ConsumerConfig
-from rd2h_protocol.layout import ComponentDest, DestinationLayout, LayerLayout
-from rd2h_protocol.producer import DecodeTarget, ProducerConfig
+from rd2h_protocol.producer import DecodeTarget
 from rd2h_runtime.decode import DecodeWorker
 from rd2h_runtime.prefill import PrefillWorker
-from rd2h_runtime.transfer import TransferBackend
-from rd2h_runtime.transfer.base import U64Array
 
 pytestmark = pytest.mark.timeout(60)
 
-HOST = "127.0.0.1"
 BLOCKS = 8
-_sessions = itertools.count()
-
-
-class RecordingBackend(TransferBackend):
-    """Moves nothing; records when each read was called and the deadline it was given."""
-
-    name: ClassVar[str] = "recording"
-
-    def __init__(self, *, role: str, host: str = HOST, **options: Any) -> None:
-        super().__init__(role=role, host=host)
-        self._session = f"recording:{next(_sessions)}"
-        self.reads: list[tuple[float, float]] = []  # (called at, deadline)
-
-    @property
-    def session_id(self) -> str:
-        return self._session
-
-    def _register(self, regions: list[tuple[int, int]]) -> None:
-        return None
-
-    def _read(
-        self, session: str, remote: U64Array, local: U64Array, lengths: U64Array, deadline: float
-    ) -> None:
-        self.reads.append((time.monotonic(), deadline))
-
-    def _close(self) -> None:
-        return None
 
 
 @pytest.fixture
 def pair(request: pytest.FixtureRequest) -> Iterator[tuple[PrefillWorker, DecodeWorker]]:
     protocol, read_timeout_s = request.param
-    name = "model.layers.0.self_attn"
-    decode = DecodeWorker(
-        ConsumerConfig(
-            d_rank=0,
-            d_tp=1,
-            layers=[
-                (
-                    name,
-                    DestinationLayout(
-                        main=(
-                            ComponentDest(0x5000_0000, 64, BLOCKS),
-                            ComponentDest(0x6000_0000, 64, BLOCKS),
-                        ),
-                        indexer=None,
-                        scale=None,
-                    ),
-                )
-            ],
-        ),
-        RecordingBackend(role="decode"),
-        host=HOST,
-        read_timeout_s=read_timeout_s,
+    decode = decode_worker(RecordingBackend(role="decode"), BLOCKS, read_timeout_s=read_timeout_s)
+    prefill = prefill_worker(
+        RecordingBackend(role="prefill"), BLOCKS, lease_ms=2000, protocol=protocol
     )
-    prefill = PrefillWorker(
-        ProducerConfig(
-            p_rank=0,
-            p_tp=1,
-            session="",
-            layers=[
-                (
-                    name,
-                    LayerLayout(
-                        base_addrs=[0x1000_0000, 0x2000_0000],
-                        block_len=[64, 64],
-                        tensor_group_idx=[0, 0],
-                        num_blocks=BLOCKS,
-                    ),
-                )
-            ],
-            lease_ms=2000,
-            protocol=protocol,
-        ),
-        RecordingBackend(role="prefill"),
-    )
-    try:
+    with closing(prefill, decode):
         yield prefill, decode
-    finally:
-        prefill.close()
-        decode.close()
 
 
 def one_read(prefill: PrefillWorker, decode: DecodeWorker) -> tuple[float, float, float, float]:

@@ -12,18 +12,14 @@ from collections.abc import Iterator
 
 import pytest
 import zmq
-from test_decode_read_deadline import RecordingBackend
+from worker_pair import HOST, RecordingBackend, closing, decode_worker, prefill_worker
 
-from rd2h_protocol.consumer import ConsumerConfig
-from rd2h_protocol.layout import ComponentDest, DestinationLayout, LayerLayout
-from rd2h_protocol.producer import DecodeTarget, ProducerConfig
+from rd2h_protocol.producer import DecodeTarget
 from rd2h_runtime.decode import DecodeWorker
 from rd2h_runtime.prefill import PrefillWorker
 
 pytestmark = pytest.mark.timeout(60)
 
-HOST = "127.0.0.1"
-LAYER = "model.layers.0.self_attn"
 BLOCKS = 16
 LEASE_S = 1.0
 SILENT_S = 1.0
@@ -64,39 +60,18 @@ class SilentV1Decode:
 def world(
     request: pytest.FixtureRequest,
 ) -> Iterator[tuple[PrefillWorker, DecodeWorker, SilentV1Decode, float | None]]:
-    dest = DestinationLayout(
-        main=(ComponentDest(0x5000_0000, 64, BLOCKS), ComponentDest(0x6000_0000, 64, BLOCKS)),
-        indexer=None,
-        scale=None,
-    )
-    healthy = DecodeWorker(
-        ConsumerConfig(d_rank=0, d_tp=1, layers=[(LAYER, dest)]),
-        RecordingBackend(role="decode"),
-        host=HOST,
-    )
-    source = LayerLayout(
-        base_addrs=[0x1000_0000, 0x2000_0000],
-        block_len=[64, 64],
-        tensor_group_idx=[0, 0],
-        num_blocks=BLOCKS,
-    )
-    prefill = PrefillWorker(
-        ProducerConfig(
-            p_rank=0,
-            p_tp=1,
-            session="",
-            layers=[(LAYER, source)],
-            lease_ms=int(LEASE_S * 1000),
-            silent_peer_timeout_s=request.param,
-        ),
+    healthy = decode_worker(RecordingBackend(role="decode"), BLOCKS)
+    prefill = prefill_worker(
         RecordingBackend(role="prefill"),
+        BLOCKS,
+        lease_ms=int(LEASE_S * 1000),
+        silent_peer_timeout_s=request.param,
     )
     silent = SilentV1Decode()
     try:
-        yield prefill, healthy, silent, request.param
+        with closing(prefill, healthy):
+            yield prefill, healthy, silent, request.param
     finally:
-        prefill.close()
-        healthy.close()
         silent.close()
 
 
