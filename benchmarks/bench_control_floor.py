@@ -140,7 +140,7 @@ def instrument(pair: Pair, probe: Probe) -> None:
     d_ep: Any = d._endpoint
     p_ep.layer_written = probe.wrap("P publish", p_ep.layer_written)
     p_ep.receive = probe.wrap("P reply", p_ep.receive)
-    d_ep.receive_frame = probe.wrap("D frame", d_ep.receive_frame)
+    d_ep.receive = probe.wrap("D frame", d_ep.receive)
     d_ep.read_finished = probe.wrap("D read_finished", d_ep.read_finished)
     d._planner = probe.wrap("D plan", d._planner)
     backend: Any = d._backend
@@ -244,7 +244,7 @@ def handling(
     requests: int, blocks: int, repeats: int, *, num_blocks: bool, fast: bool = True
 ) -> float:
     """Median Decode handling of one readiness of a v1 session, layer after layer of the
-    same step: ``receive_frame`` (decode, validate, plan), descriptors, ``read_finished``.
+    same step: ``receive`` (decode, validate, plan), descriptors, ``read_finished``.
 
     ``num_blocks``: the Prefill layout carries the v2 key; ``fast`` False forces the
     general decode path (how a layout without it was served before).
@@ -261,7 +261,7 @@ def handling(
     }
     peer = b"prefill-0"
     meta = MfMeta(p_session="p0", encoded_layer_metadata=encode_layer_metadata(layouts))
-    ep.receive_frame(peer, encode(meta), 0.0)
+    ep.receive(peer, encode(meta), 0.0)
     src, dst = list(range(pool)), list(range(pool))
     rng.shuffle(src)
     rng.shuffle(dst)
@@ -276,7 +276,7 @@ def handling(
         layer = i % LAYERS
         frame = encode(ReadReadyBatch(layer_idx=layer, layer_name=names[layer], read_reqs=entries))
         t0 = time.perf_counter()
-        (start,) = [o for o in ep.receive_frame(peer, frame, 0.0) if isinstance(o, StartRead)]
+        (start,) = [o for o in ep.receive(peer, frame, 0.0) if isinstance(o, StartRead)]
         build_descriptors(start.plan)
         ep.read_finished(start.plan.read_id, None, 0.0)
         if i >= LAYERS:  # warm-up: the first step
@@ -420,7 +420,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{label:<34}{cells}")
 
     print(
-        "\nDecode handling of one random readiness of a v1 session (receive_frame + "
+        "\nDecode handling of one random readiness of a v1 session (receive + "
         "descriptors + read_finished), ms: layout without num_blocks on the general decode "
         "path (before), on the fast path (now), and with the v2 num_blocks key"
     )

@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 
 from rd2h_protocol._machine import MachineSpec
 from rd2h_protocol.codec import encode
+from rd2h_protocol.events import Chunk
 from rd2h_protocol.layout import LayerLayout
 from rd2h_protocol.messages import ALL_CAPABILITIES, Ack, ReadDone, ReadReadyBatch
 from rd2h_protocol.producer import (
@@ -133,7 +134,17 @@ def layer_round_trips(
         start = step * blocks
         for r, ext_id in enumerate(ids):
             block_ids = list(range(r * 4096 + start, r * 4096 + start + blocks))
-            ep.schedule_chunk(ext_id, block_ids, block_ids, start, start, False)
+            ep.schedule_chunk(
+                Chunk(
+                    ext_req_id=ext_id,
+                    main_block_ids=block_ids,
+                    indexer_block_ids=block_ids,
+                    main_start=start,
+                    indexer_start=start,
+                    final=False,
+                ),
+                0.0,
+            )
         for layer in range(n_layers):
             now += 0.001
             assert ep.can_overwrite(layer)

@@ -1,7 +1,8 @@
 """Reuse the RD2H endpoints over another transport: asyncio queues and memmove.
 
 The two sans-IO endpoints of :mod:`rd2h_protocol` know nothing about sockets, threads or
-clocks. This example binds them to a transport of its own, with no ``rd2h_runtime``:
+clocks. This example binds them to a transport of its own, with no ``rd2h_runtime``, and
+uses only names exported from :mod:`rd2h_protocol` (the public API):
 
 * control frames are bytes (``rd2h_protocol.encode`` / the endpoints decode them) carried
   by one asyncio queue per endpoint; the Prefill side names its Decode connection
@@ -28,27 +29,28 @@ import ctypes
 import sys
 from dataclasses import dataclass, field
 
-from rd2h_protocol import encode
-from rd2h_protocol.consumer import (
+from rd2h_protocol import (
+    Chunk,
+    ComponentDest,
     ConsumerConfig,
     ConsumerEndpoint,
+    DecodeTarget,
+    DestinationLayout,
+    GateOpened,
+    LayerLayout,
+    ProducerConfig,
+    ProducerEndpoint,
+    ReadPlan,
     Releasable,
     Reply,
     RequestDone,
     RequestFailed,
-    SendAbort,
-    StartRead,
-)
-from rd2h_protocol.errors import ErrorCode, TransferError
-from rd2h_protocol.layout import ComponentDest, DestinationLayout, LayerLayout
-from rd2h_protocol.plan import ReadPlan
-from rd2h_protocol.producer import (
-    DecodeTarget,
-    GateOpened,
-    ProducerConfig,
-    ProducerEndpoint,
     RequestFinished,
     Send,
+    SendAbort,
+    StartRead,
+    TransferError,
+    encode,
 )
 
 N_LAYERS = 4
@@ -214,7 +216,15 @@ async def prefill_compute(p: Prefill, d: Decode) -> None:
     for k, (start, end) in enumerate(CHUNKS):
         final = k == len(CHUNKS) - 1
         ids = PREFILL_IDS[start:end]
-        ep.schedule_chunk(REQUEST, ids, ids, start, start, final)
+        chunk = Chunk(
+            ext_req_id=REQUEST,
+            main_block_ids=ids,
+            indexer_block_ids=ids,
+            main_start=start,
+            indexer_start=start,
+            final=final,
+        )
+        ep.schedule_chunk(chunk, loop.time())
         for layer in range(N_LAYERS):
             while not ep.can_overwrite(layer):  # Decode may still read the previous owner
                 p.gate_waits += 1
@@ -233,7 +243,7 @@ async def run_decode(p: Prefill, d: Decode, stop: asyncio.Event) -> None:
         timeout = wait_for_timer(ep.get_timer(), loop.time())
         try:
             peer, frame = await asyncio.wait_for(d.inbox.get(), timeout)
-            outs = ep.receive_frame(peer, frame, loop.time())
+            outs = ep.receive(peer, frame, loop.time())
         except asyncio.TimeoutError:
             outs = ep.handle_timer(loop.time())
         await handle_decode_outputs(p, d, list(outs))
@@ -260,9 +270,8 @@ async def read(p: Prefill, d: Decode, start: StartRead) -> None:
     """Run one read plan in a worker thread and report its end to the endpoint."""
     loop = asyncio.get_running_loop()
     error: TransferError | None = None
-    if start.start_by is not None and loop.time() > start.start_by:
-        error = TransferError("the read could not start within half its lease")
-        error.code = ErrorCode.LEASE_EXPIRED
+    if not start.may_start(loop.time()):  # half its lease is gone: it must not start
+        error = start.not_started(loop.time())
     else:
         await asyncio.to_thread(execute, start.plan)
     outs = d.endpoint.read_finished(start.plan.read_id, error, loop.time())

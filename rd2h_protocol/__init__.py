@@ -1,12 +1,15 @@
 """rd2h_protocol: the pure, sans-IO core of the RD2H KV-cache transfer protocol.
 
 No sockets, threads, clocks or tensors live here: messages and their codec, layouts,
-topology rules, the state machines and the two endpoints that run them.
+topology rules, the state machines and the two endpoints that run them. Everything a
+runtime needs to drive the endpoints is exported here: the endpoints and their
+configurations, their inputs and outputs (:mod:`rd2h_protocol.events`), the messages and
+codec, and the errors. specs/api.md shows how to drive an endpoint.
 """
 
 from rd2h_protocol.codec import decode, encode
 from rd2h_protocol.completion import CrossRankCompletion, RankReport
-from rd2h_protocol.consumer import ConsumerConfig, ConsumerEndpoint
+from rd2h_protocol.consumer import ConsumerConfig, ConsumerEndpoint, ConsumerStats
 from rd2h_protocol.errors import (
     ConfigError,
     ErrorCode,
@@ -20,6 +23,24 @@ from rd2h_protocol.errors import (
     TransferError,
     UnknownMessageKind,
     ValueOutOfRange,
+)
+from rd2h_protocol.events import (
+    Chunk,
+    Connect,
+    ConnectionView,
+    ConsumerOutput,
+    Disconnect,
+    GateOpened,
+    LayerReplied,
+    ProducerOutput,
+    Releasable,
+    Reply,
+    RequestDone,
+    RequestFailed,
+    RequestFinished,
+    Send,
+    SendAbort,
+    StartRead,
 )
 from rd2h_protocol.layout import (
     ComponentDest,
@@ -42,7 +63,7 @@ from rd2h_protocol.messages import (
     ReadReq,
 )
 from rd2h_protocol.plan import ComponentAddrs, ReadPlan, RequestRead
-from rd2h_protocol.producer import DecodeTarget, ProducerConfig, ProducerEndpoint
+from rd2h_protocol.producer import DecodeTarget, ProducerConfig, ProducerEndpoint, ProducerStats
 from rd2h_protocol.rendezvous import Rendezvous
 
 __all__ = [
@@ -50,18 +71,26 @@ __all__ = [
     "PROTOCOL_VERSION",
     "Abort",
     "Ack",
+    "Chunk",
     "ComponentAddrs",
     "ComponentDest",
     "ConfigError",
+    "Connect",
+    "ConnectionView",
     "ConsumerConfig",
     "ConsumerEndpoint",
+    "ConsumerOutput",
+    "ConsumerStats",
     "CrossRankCompletion",
     "DecodeTarget",
     "DestinationLayout",
+    "Disconnect",
     "ErrorCode",
     "FailedRequest",
     "FrameTooLarge",
+    "GateOpened",
     "LayerLayout",
+    "LayerReplied",
     "LayoutMismatch",
     "LocalProtocolError",
     "MalformedFrame",
@@ -69,6 +98,8 @@ __all__ = [
     "MfMeta",
     "ProducerConfig",
     "ProducerEndpoint",
+    "ProducerOutput",
+    "ProducerStats",
     "ProtocolError",
     "RankReport",
     "ReadDone",
@@ -76,9 +107,17 @@ __all__ = [
     "ReadPlan",
     "ReadReadyBatch",
     "ReadReq",
+    "Releasable",
     "RemoteProtocolError",
     "Rendezvous",
+    "Reply",
+    "RequestDone",
+    "RequestFailed",
+    "RequestFinished",
     "RequestRead",
+    "Send",
+    "SendAbort",
+    "StartRead",
     "TopologyError",
     "TransferError",
     "UnknownMessageKind",

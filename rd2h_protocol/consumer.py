@@ -3,7 +3,7 @@
 Theory of operation
 -------------------
 :class:`ConsumerEndpoint` owns nothing but state. The runtime feeds it what happened --
-a frame from a Prefill peer (:meth:`~ConsumerEndpoint.receive_frame`), a request whose
+a frame from a Prefill peer (:meth:`~ConsumerEndpoint.receive`), a request whose
 destination blocks vLLM allocated (:meth:`~ConsumerEndpoint.add_request`), the end of a
 data read (:meth:`~ConsumerEndpoint.read_finished`), an abort or a release from vLLM, the
 passing of time (:meth:`~ConsumerEndpoint.handle_timer`) -- always with ``now``
@@ -64,7 +64,7 @@ import functools
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Annotated, Any, Final, TypeAlias
+from typing import Annotated, Any, Final, Literal, TypeAlias
 
 import msgspec
 
@@ -120,6 +120,7 @@ from rd2h_protocol.consumer_machines import (
     S_RECV_READINESS,
     SESSION_READY,
     SESSION_UNBOUND,
+    SESSION_V1,
     SESSION_V2,
 )
 from rd2h_protocol.errors import (
@@ -130,6 +131,16 @@ from rd2h_protocol.errors import (
     ProtocolError,
     RemoteProtocolError,
     TransferError,
+)
+from rd2h_protocol.events import (
+    ConnectionView,
+    ConsumerOutput,
+    Releasable,
+    Reply,
+    RequestDone,
+    RequestFailed,
+    SendAbort,
+    StartRead,
 )
 from rd2h_protocol.layout import (
     DestinationLayout,
@@ -275,77 +286,7 @@ class ConsumerConfig:
             raise ConfigError(f"max_sessions must be >= 1, got {self.max_sessions}")
 
 
-# -- outputs -------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Reply:
-    """Send ``msg`` to the Prefill peer ``peer`` (a ZMQ ROUTER identity)."""
-
-    peer: bytes
-    msg: Message
-
-
-@dataclass(frozen=True, slots=True)
-class SendAbort:
-    """Tell the v2 Prefill peer ``peer`` to stop publishing ``msg.ext_ids``."""
-
-    peer: bytes
-    msg: Abort
-
-
-@dataclass(frozen=True, slots=True)
-class StartRead:
-    """Execute ``plan`` (one batched read) and report it with ``read_finished(plan.read_id)``.
-
-    ``start_by`` (monotonic seconds, ``None`` without a lease): a read that cannot START
-    by then must not start; report it with a :class:`TransferError` whose ``code`` is
-    ``ErrorCode.LEASE_EXPIRED``.
-
-    ``finish_by`` (monotonic seconds, ``None`` without a lease, i.e. from a v1 peer): the
-    readiness's receipt plus its whole lease. From then on Prefill may reuse the storage
-    the read takes its bytes from, so a read still running is worthless: the runtime must
-    bound the read's own deadline by it. (Prefill's lease started when it sent the
-    message, a little before the receipt; the half-lease ``start_by`` and a read timeout
-    below half the lease are what keep a read clear of it. ``finish_by`` caps a read
-    timeout configured too long for the lease.)
-    """
-
-    plan: ReadPlan
-    start_by: float | None = None
-    finish_by: float | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class RequestDone:
-    """The request is done on this rank (every contributor, successful reads)."""
-
-    ext_req_id: str
-
-
-@dataclass(frozen=True, slots=True)
-class RequestFailed:
-    """The request failed on this rank: its destination blocks hold no valid KV.
-
-    Both block lists are reported as vLLM load errors once the cross-rank rule finishes
-    the request.
-    """
-
-    ext_req_id: str
-    code: ErrorCode
-    message: str
-    main_block_ids: tuple[int, ...]
-    indexer_block_ids: tuple[int, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class Releasable:
-    """No read can write the request's blocks any more and vLLM released it: free them."""
-
-    ext_req_id: str
-
-
-Output: TypeAlias = Reply | SendAbort | StartRead | RequestDone | RequestFailed | Releasable
+Output: TypeAlias = ConsumerOutput
 
 
 @dataclass(slots=True)
@@ -659,7 +600,7 @@ def _bounded_entries(bound: int) -> msgspec.msgpack.Decoder[list[ReadReq]]:
     return decoder
 
 
-def _entries_offset(frame: bytes | memoryview) -> int | None:
+def _entries_offset(frame: bytes | bytearray | memoryview) -> int | None:
     """Where ``read_reqs`` starts in a readiness frame (after the head, ``layer_idx`` and
     ``layer_name``); None for spellings of those two that encoders do not write."""
     try:
@@ -743,7 +684,9 @@ def _raw_names(raw: msgspec.Raw, entry: Callable[[msgspec.Raw], str]) -> list[st
     return names
 
 
-def _identify_readiness(frame: bytes) -> tuple[int, int | None, list[str]] | None:
+def _identify_readiness(
+    frame: bytes | bytearray | memoryview,
+) -> tuple[int, int | None, list[str]] | None:
     """Read ``(layer_idx, seq, request ids)`` from a readiness that failed typed decoding.
 
     Returns ``None`` when the frame is not a readiness or those fields are unreadable
@@ -842,6 +785,16 @@ class ConsumerEndpoint:
     def sessions(self) -> dict[str, str]:
         """``{Prefill session: state}``."""
         return {name: s.state for name, s in self._sessions.items()}
+
+    def negotiated(self, peer: bytes) -> ConnectionView | None:
+        """The protocol and capabilities of the session ``peer`` is bound to (None: none)."""
+        session = self._session_of(peer)
+        if session is None:
+            return None
+        if session.state == SESSION_V2:
+            return ConnectionView(session.name, session.state, "v2", session.caps)
+        protocol: Literal["v1"] | None = "v1" if session.state == SESSION_V1 else None
+        return ConnectionView(session.name, session.state, protocol, frozenset())
 
     def session_of_peer(self, peer: bytes) -> str | None:
         """The name of the Prefill session ``peer`` hand-shook for, if any (for logs)."""
@@ -994,13 +947,17 @@ class ConsumerEndpoint:
 
     # -- peer input ------------------------------------------------------------------------
 
-    def receive_frame(self, peer: bytes, frame: bytes, now: float) -> list[Output]:
-        """Decode one frame from ``peer`` and handle it; never raises.
+    def receive(
+        self, peer: bytes, frame: Message | bytes | bytearray | memoryview, now: float
+    ) -> list[Output]:
+        """Handle one frame (or decoded message) from Prefill peer ``peer``; never raises.
 
         A frame that does not decode is counted; if it is a readiness whose ``layer_idx``
         (and ``seq``, when present) can be read, it still gets a failure reply and the
         known requests it names fail, so no Prefill gate waits for it.
         """
+        if not isinstance(frame, bytes | bytearray | memoryview):
+            return self._receive(peer, frame, now, None)
         bounded = self._decode_bounded(peer, frame)
         if bounded is not None:
             readiness, ids_below = bounded
@@ -1020,9 +977,11 @@ class ConsumerEndpoint:
             )
             self._fail_known(ids, now, exc.code, f"malformed readiness: {exc.message}")
             return self._flush()
-        return self.receive(peer, msg, now)
+        return self._receive(peer, msg, now, None)
 
-    def _decode_bounded(self, peer: bytes, frame: bytes) -> tuple[ReadReadyBatch, int] | None:
+    def _decode_bounded(
+        self, peer: bytes, frame: bytes | bytearray | memoryview
+    ) -> tuple[ReadReadyBatch, int] | None:
         """A readiness from a bound session, decoded with its Prefill block id bound checked
         (the layout's smallest ``num_blocks``; without one, the wire's own limit, which is
         exactly the codec's check), and the bound; None to take the general path.
@@ -1072,10 +1031,6 @@ class ConsumerEndpoint:
         while len(self._entry_cache) > _ENTRY_CACHE_SESSIONS:
             self._entry_cache.popitem(last=False)
         return _with_entries(shell, entries), bound
-
-    def receive(self, peer: bytes, msg: Message, now: float) -> list[Output]:
-        """Handle one decoded message from ``peer``; never raises."""
-        return self._receive(peer, msg, now, None)
 
     def _receive(
         self, peer: bytes, msg: Message, now: float, ids_below: int | None

@@ -113,14 +113,21 @@ class ConfigError(ProtocolError):
 
 
 class TransferError(ProtocolError):
-    """A data read failed. ``backend_code`` is the transfer engine's own result code."""
+    """A data read failed. ``backend_code`` is the transfer engine's own result code;
+    ``code`` is ``TRANSFER_FAILED`` unless another (e.g. ``LEASE_EXPIRED``, ``TIMEOUT``) is
+    given."""
 
     code = ErrorCode.TRANSFER_FAILED
 
     def __init__(
-        self, message: str, backend_code: int | None = None, *, transient: bool = False
+        self,
+        message: str,
+        backend_code: int | None = None,
+        *,
+        transient: bool = False,
+        code: ErrorCode | None = None,
     ) -> None:
-        super().__init__(message)
+        super().__init__(message, code)
         self.backend_code = backend_code
         self.transient = transient
 

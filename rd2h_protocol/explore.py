@@ -146,6 +146,7 @@ from rd2h_protocol.consumer import (
 )
 from rd2h_protocol.consumer import Output as ConsumerOutput
 from rd2h_protocol.errors import ErrorCode, TransferError
+from rd2h_protocol.events import Chunk
 from rd2h_protocol.invariants import (
     InvariantViolation,
     check_done_on_rank,
@@ -595,7 +596,7 @@ class World:
         """The Prefill scheduler aborts the request on every rank that holds it."""
         for p, prod in enumerate(self.producers):
             if ext in prod.requests():
-                self._producer_outputs(p, prod.abort([ext], self.now))
+                self._producer_outputs(p, prod.abort([ext], "aborted by the model", self.now))
         self._gather()
 
     def decode_abort(self, ext: str) -> None:
@@ -650,9 +651,15 @@ class World:
                 start = sum(req.spec.chunks[:k])
                 end = start + req.spec.chunks[k]
                 final = k == len(req.spec.chunks) - 1
-                prod.schedule_chunk(
-                    ext, req.pmain[start:end], req.pidx[start:end], start, start, final
+                chunk = Chunk(
+                    ext_req_id=ext,
+                    main_block_ids=req.pmain[start:end],
+                    indexer_block_ids=req.pidx[start:end],
+                    main_start=start,
+                    indexer_start=start,
+                    final=final,
                 )
+                prod.schedule_chunk(chunk, self.now)
                 rank.chunks[ext] = k + 1
         self._version += 1
         owners = frozenset(prod.requests())
@@ -696,7 +703,7 @@ class World:
                 self._readiness.setdefault(key, []).append(
                     (msg.group_member_idx, tuple(msg.done_ext_ids))
                 )
-            outs = self.consumers[(e, d)].receive_frame(peer, f.data, self.now)
+            outs = self.consumers[(e, d)].receive(peer, f.data, self.now)
             self._consumer_outputs(e, d, outs)
         else:
             p = self.session_rank(f.dst[1])

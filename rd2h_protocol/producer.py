@@ -75,6 +75,17 @@ from rd2h_protocol.errors import (
     TopologyError,
     TransferError,
 )
+from rd2h_protocol.events import (
+    Chunk,
+    Connect,
+    ConnectionView,
+    Disconnect,
+    GateOpened,
+    LayerReplied,
+    ProducerOutput,
+    RequestFinished,
+    Send,
+)
 from rd2h_protocol.layout import LayerLayout, assign_storage_slots, encode_layer_metadata
 from rd2h_protocol.messages import (
     ALL_CAPABILITIES,
@@ -106,6 +117,7 @@ from rd2h_protocol.producer_machines import (
     C_TIMER_HANDSHAKE_EXPIRED,
     CONN_HANDSHAKING,
     CONN_IDLE,
+    CONN_READY_V1,
     CONN_READY_V2,
     CONN_REFUSED,
     CONNECTION_HANDSHAKE,
@@ -192,6 +204,7 @@ __all__ = [
     "DecodeTarget",
     "Disconnect",
     "GateOpened",
+    "LayerReplied",
     "Output",
     "ProducerConfig",
     "ProducerEndpoint",
@@ -212,7 +225,7 @@ _DRAINABLE: Final = frozenset({REQ_FINAL_SENT, REQ_FAILING, REQ_ABORTING})
 _STILL_READ: Final = frozenset({*REQ_PUBLISHING, REQ_FINAL_SENT})
 
 
-# -- configuration and outputs -------------------------------------------------------------
+# -- configuration -------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -309,69 +322,7 @@ class DecodeTarget:
     d_tp: int
 
 
-@dataclass(frozen=True, slots=True)
-class Connect:
-    """Open the control connection ``conn`` (a DEALER to ``host:port``) before using it."""
-
-    conn: str
-    host: str
-    port: int
-
-
-@dataclass(frozen=True, slots=True)
-class Disconnect:
-    """Close the control connection ``conn`` for good (its peer was declared dead); a
-    later :class:`Connect` opens a new one, so that nothing of the old one arrives late."""
-
-    conn: str
-
-
-@dataclass(frozen=True, slots=True)
-class Send:
-    """Send ``msg`` on connection ``conn`` (encode it with :func:`rd2h_protocol.encode`)."""
-
-    conn: str
-    msg: Message
-
-
-@dataclass(frozen=True, slots=True)
-class RequestFinished:
-    """The request is over: its source blocks may go back to the allocator.
-
-    ``ok`` is True when every layer of every chunk was read (``code`` None); otherwise
-    ``code`` and ``message`` give the first reason it stopped. A failed request may still
-    be read by a peer that could not be told (a held lease, see the module docstring);
-    the storage gates, not the request, keep the compute path from overwriting that.
-    """
-
-    ext_req_id: str
-    ok: bool
-    code: ErrorCode | None
-    message: str
-
-
-@dataclass(frozen=True, slots=True)
-class GateOpened:
-    """Storage slot ``slot`` may be overwritten again (wake the compute path)."""
-
-    slot: int
-
-
-@dataclass(frozen=True, slots=True)
-class LayerReplied:
-    """A publication got its terminal reply: how long Decode took, measured on our clock.
-
-    ``round_trip_s`` runs from the readiness going out (``now`` of the call that emitted its
-    Send) to the reply being fed in; ``ok`` is False for a read_failed reply.
-    """
-
-    conn: str
-    layer_idx: int
-    round_trip_s: float
-    ok: bool
-
-
-Output: TypeAlias = Connect | Disconnect | Send | RequestFinished | GateOpened | LayerReplied
+Output: TypeAlias = ProducerOutput
 
 
 @dataclass(slots=True)
@@ -545,21 +496,15 @@ class ProducerEndpoint:
         self._requests[ext_req_id] = _Request(ext_req_id, conn, PREFILL_REQUEST.initial)
         return []
 
-    def schedule_chunk(
-        self,
-        ext_req_id: str,
-        main_block_ids: Sequence[int],
-        indexer_block_ids: Sequence[int],
-        main_start_block: int,
-        indexer_start_block: int,
-        final: bool,
-    ) -> list[Output]:
-        """Schedule the request's blocks of the current step (before its first layer).
+    def schedule_chunk(self, chunk: Chunk, now: float) -> list[Output]:
+        """Schedule a request's blocks of the current step (before its first layer).
 
-        ``*_start_block`` are the LOGICAL offsets of these blocks in Decode's destination
-        list. ``final`` marks the last chunk: its done id goes out with the last layer.
-        A chunk for a request that is already failing or aborting is ignored.
+        A chunk for a request that is already failing or aborting is ignored. Raises
+        :class:`LocalProtocolError` for an unknown request, a chunk after the step's first
+        layer, a second chunk of one request in a step, or a negative offset or block id.
         """
+        del now  # scheduling starts no deadline
+        ext_req_id = chunk.ext_req_id
         req = self._requests.get(ext_req_id)
         if req is None:
             raise LocalProtocolError(f"request {ext_req_id!r} is not registered")
@@ -570,21 +515,21 @@ class ProducerEndpoint:
             )
         if ext_req_id in self._step.get(req.conn.name, ()):
             raise LocalProtocolError(f"request {ext_req_id!r} is scheduled twice in one step")
-        if main_start_block < 0 or indexer_start_block < 0:
+        if chunk.main_start < 0 or chunk.indexer_start < 0:
             raise LocalProtocolError(
                 f"request {ext_req_id!r}: start blocks must be >= 0, got "
-                f"main {main_start_block}, indexer {indexer_start_block}"
+                f"main {chunk.main_start}, indexer {chunk.indexer_start}"
             )
-        main = list(main_block_ids)
-        indexer = list(indexer_block_ids)
+        main = list(chunk.main_block_ids)
+        indexer = list(chunk.indexer_block_ids)
         if (main and min(main) < 0) or (indexer and min(indexer) < 0):
             raise LocalProtocolError(f"request {ext_req_id!r}: block ids must be >= 0")
-        event = R_LOCAL_FINAL_CHUNK if final else R_LOCAL_CHUNK
+        event = R_LOCAL_FINAL_CHUNK if chunk.final else R_LOCAL_CHUNK
         effect, req.state = PREFILL_REQUEST.step(req.state, event)
         if effect == EFFECT_IGNORE:
             return []
         if main or indexer:
-            req.chunk = ReadReq(ext_req_id, main, indexer, main_start_block, indexer_start_block)
+            req.chunk = ReadReq(ext_req_id, main, indexer, chunk.main_start, chunk.indexer_start)
         self._step.setdefault(req.conn.name, {})[ext_req_id] = req
         self._step_count += 1
         return []
@@ -681,11 +626,12 @@ class ProducerEndpoint:
         self._step_top = -1
         return out
 
-    def abort(self, ext_ids: Iterable[str], now: float) -> list[Output]:
-        """Stop publishing these requests and tell their v2 Decode endpoints.
+    def abort(self, ext_ids: Iterable[str], reason: str, now: float) -> list[Output]:
+        """Stop publishing these requests and tell their v2 Decode endpoints why.
 
-        Unknown (or already finished) ids are ignored. Each request finishes (aborted)
-        once the publications already out for it have ended.
+        Unknown (or already finished) ids are ignored. Each request finishes (aborted,
+        with ``reason`` as its message) once the publications already out for it have
+        ended.
         """
         del now
         out: list[Output] = []
@@ -697,11 +643,11 @@ class ProducerEndpoint:
                 continue
             effect, req.state = PREFILL_REQUEST.step(req.state, R_LOCAL_ABORT)
             if effect == EFFECT_SEND_ABORT:
-                req.code, req.message = ErrorCode.ABORTED, "aborted by Prefill"
+                req.code, req.message = ErrorCode.ABORTED, reason
                 by_conn.setdefault(req.conn.name, []).append(ext_id)
             touched.append(req)
         for name, ids in by_conn.items():
-            self._send_abort(self._conns[name], ids, "aborted by Prefill", out)
+            self._send_abort(self._conns[name], ids, reason, out)
         for req in touched:
             self._maybe_drain(req, out)
         return out
@@ -778,19 +724,21 @@ class ProducerEndpoint:
     # -- peer input ------------------------------------------------------------------------
 
     def receive(
-        self, conn: str, msg: Message | bytes | bytearray | memoryview, now: float
+        self, conn: str, frame: Message | bytes | bytearray | memoryview, now: float
     ) -> list[Output]:
         """Handle one frame (or decoded message) from Decode endpoint ``conn``.
 
         Never raises for peer input: malformed, unexpected, unknown, stale and duplicate
         input is counted in :attr:`stats` and changes nothing.
         """
-        if isinstance(msg, bytes | bytearray | memoryview):
+        if isinstance(frame, bytes | bytearray | memoryview):
             try:
-                msg = decode(msg)
+                msg = decode(frame)
             except RemoteProtocolError:
                 self.stats.malformed_frames += 1
                 return []
+        else:
+            msg = frame
         c = self._conns.get(conn)
         if c is None or not c.connected:  # not a connection we opened
             self.stats.unexpected_messages += 1
@@ -891,6 +839,19 @@ class ProducerEndpoint:
     def connections(self) -> dict[str, str]:
         """``{conn: handshake state}``."""
         return {name: c.state for name, c in self._conns.items()}
+
+    def negotiated(self, conn: str) -> ConnectionView:
+        """The protocol and capabilities negotiated on connection ``conn``.
+
+        Raises :class:`LocalProtocolError` for a connection this endpoint never opened.
+        """
+        c = self._conns.get(conn)
+        if c is None:
+            raise LocalProtocolError(f"connection {conn!r} is not a Decode endpoint of ours")
+        if c.state == CONN_READY_V2:
+            return ConnectionView(c.name, c.state, "v2", c.caps)
+        protocol: Literal["v1"] | None = "v1" if c.state == CONN_READY_V1 else None
+        return ConnectionView(c.name, c.state, protocol, frozenset())
 
     def is_idle(self) -> bool:
         """True when no per-request state is left (no request, publication or chunk)."""

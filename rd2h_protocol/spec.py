@@ -16,17 +16,20 @@ What is generated:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import difflib
 import inspect
 import json
 import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import msgspec.inspect as mi
 
 import rd2h_protocol
+import rd2h_protocol.events
 from rd2h_protocol._machine import NO_EFFECT, MachineSpec
 from rd2h_protocol.explore import CONFIGS
 from rd2h_protocol.invariants import INVARIANTS
@@ -201,13 +204,37 @@ def render_invariants() -> str:
 
 def render_api() -> str:
     out = [HEADER, "# `rd2h_protocol` public API\n\n"]
+    out.append("## Driving an endpoint\n\n")
+    out.append(inspect.cleandoc(rd2h_protocol.events.__doc__ or "") + "\n\n")
+    out.append("The README's architecture section holds a complete program that does this.\n\n")
+    for cls in (rd2h_protocol.ProducerEndpoint, rd2h_protocol.ConsumerEndpoint):
+        out.append(f"## `{cls.__name__}`\n\n")
+        for name, member in inspect.getmembers(cls):
+            if name.startswith("_") or not callable(member):
+                continue
+            out.append(f"- `{name}{_signature(member)}`: {_summary(member)}\n")
+        out.append("\n")
+    out.append("## Every exported name\n\n")
     for name in sorted(rd2h_protocol.__all__):
         obj = getattr(rd2h_protocol, name)
-        doc = inspect.getdoc(obj) if (inspect.isclass(obj) or inspect.isfunction(obj)) else None
-        title = f"`{name}{inspect.signature(obj)}`" if inspect.isfunction(obj) else f"`{name}`"
-        summary = doc.split("\n\n")[0].replace("\n", " ") if doc else f"constant: `{obj!r}`"
+        if inspect.isfunction(obj) or dataclasses.is_dataclass(obj):
+            title = f"`{name}{_signature(obj)}`"
+        else:
+            title = f"`{name}`"
+        documented = inspect.isclass(obj) or inspect.isfunction(obj)
+        summary = _summary(obj) if documented else f"constant: `{obj!r}`"
         out.append(f"- {title}: {summary}\n")
     return "".join(out)
+
+
+def _signature(obj: Any) -> str:
+    """The signature as written in the source (annotations are strings: no evaluation)."""
+    return str(inspect.signature(obj)).replace("'", "")
+
+
+def _summary(obj: Any) -> str:
+    doc = inspect.getdoc(obj)
+    return doc.split("\n\n")[0].replace("\n", " ") if doc else ""
 
 
 def render_all() -> dict[str, str]:

@@ -474,9 +474,9 @@ class DecodeWorker:
                 if isinstance(event, PeerFrame):
                     before = self._refusal_counts()
                     outs = self._traced(
-                        lambda t: self._endpoint.receive_frame(event.peer, event.payload, t),
+                        lambda t: self._endpoint.receive(event.peer, event.payload, t),
                         now,
-                        "receive_frame",
+                        "receive",
                         None
                         if self._tracer is None
                         else {"peer": event.peer, "frame": event.payload},
@@ -589,14 +589,9 @@ class DecodeWorker:
         plan = item.plan
         self._last_read = None
         now = time.monotonic()
-        if item.start_by is not None and now > item.start_by:
+        if not item.may_start(now):
             self.metrics.reads_not_started += 1
-            late = TransferError(
-                f"read {plan.read_id} not started: its start_by passed "
-                f"{now - item.start_by:.3f} s ago while it waited for the read worker"
-            )
-            late.code = ErrorCode.LEASE_EXPIRED
-            return late
+            return item.not_started(now)
         nbytes = ndesc = 0
         start = time.monotonic()
         try:

@@ -40,6 +40,7 @@ from typing import Final
 
 from rd2h_protocol.codec import StepEncoder
 from rd2h_protocol.errors import ConfigError, LocalProtocolError
+from rd2h_protocol.events import Chunk
 from rd2h_protocol.layout import LayerLayout
 from rd2h_protocol.producer import (
     Connect,
@@ -216,12 +217,15 @@ class PrefillWorker:
         """Schedule the request's blocks of the current step (before its first layer)."""
         self._call(
             lambda now: self._endpoint.schedule_chunk(
-                ext_req_id,
-                main_block_ids,
-                indexer_block_ids,
-                main_start_block,
-                indexer_start_block,
-                final,
+                Chunk(
+                    ext_req_id=ext_req_id,
+                    main_block_ids=main_block_ids,
+                    indexer_block_ids=indexer_block_ids,
+                    main_start=main_start_block,
+                    indexer_start=indexer_start_block,
+                    final=final,
+                ),
+                now,
             ),
             "schedule_chunk",
             None
@@ -286,10 +290,14 @@ class PrefillWorker:
         """The engine step is over (requests whose chunk missed a layer fail)."""
         self._call(self._endpoint.end_step, "end_step")
 
-    def abort(self, ext_ids: Iterable[str]) -> None:
-        """Stop publishing these requests; their v2 Decode endpoints are told."""
+    def abort(self, ext_ids: Iterable[str], reason: str = "aborted by Prefill") -> None:
+        """Stop publishing these requests; their v2 Decode endpoints are told ``reason``."""
         ids = list(ext_ids)
-        self._call(lambda now: self._endpoint.abort(ids, now), "abort", {"ext_ids": ids})
+        self._call(
+            lambda now: self._endpoint.abort(ids, reason, now),
+            "abort",
+            {"ext_ids": ids, "reason": reason},
+        )
 
     # -- completions -----------------------------------------------------------------------
 

@@ -167,7 +167,7 @@ def find_links(streams: Sequence[Stream]) -> list[Link]:
         if d.role != "decode":
             continue
         for rec in d.records:
-            if rec.get("op") != "receive_frame" or rec.get("in", {}).get("msg") != "MfMeta":
+            if rec.get("op") != "receive" or rec.get("in", {}).get("msg") != "MfMeta":
                 continue
             try:
                 msg = decode(base64.b64decode(rec["a"]["frame"]))
@@ -231,7 +231,7 @@ def link_pairs(link: Link) -> tuple[list[Pair], list[Pair]]:
     d_recvs = [
         (rec["in"]["crc"], rec["in"]["n"], rec["t"], rec)
         for rec in link.d.records
-        if rec.get("op") == "receive_frame" and "in" in rec and _peer_hex(rec) == link.peer
+        if rec.get("op") == "receive" and "in" in rec and _peer_hex(rec) == link.peer
     ]
     p_recvs = [
         (rec["in"]["crc"], rec["in"]["n"], rec["t"], rec)

@@ -27,6 +27,7 @@ import msgspec
 
 from rd2h_protocol.consumer import ConsumerConfig, ConsumerEndpoint
 from rd2h_protocol.errors import ErrorCode, TransferError
+from rd2h_protocol.events import Chunk
 from rd2h_protocol.invariants import InvariantViolation, check_storage_gates
 from rd2h_protocol.producer import DecodeTarget, ProducerConfig, ProducerEndpoint
 from rd2h_runtime.timeline import Stream, load_streams
@@ -54,31 +55,34 @@ def _norm(value: Any) -> Any:
 def _error(d: dict[str, Any] | None) -> TransferError | None:
     if d is None:
         return None
-    err = TransferError(d["message"], d.get("backend_code"), transient=bool(d.get("transient")))
     code = d.get("code")
-    if code and code != ErrorCode.TRANSFER_FAILED.name:
-        err.code = ErrorCode[code]
-    return err
+    return TransferError(
+        d["message"],
+        d.get("backend_code"),
+        transient=bool(d.get("transient")),
+        code=ErrorCode[code] if code else None,
+    )
 
 
 def _producer_call(ep: ProducerEndpoint, op: str, a: dict[str, Any], t: float) -> list[Any]:
     if op == "add_request":
         return ep.add_request(a["ext_req_id"], DecodeTarget(*a["target"]), t)
     if op == "schedule_chunk":
-        return ep.schedule_chunk(
-            a["ext_req_id"],
-            a["main_block_ids"],
-            a["indexer_block_ids"],
-            a["main_start_block"],
-            a["indexer_start_block"],
-            a["final"],
+        chunk = Chunk(
+            ext_req_id=a["ext_req_id"],
+            main_block_ids=a["main_block_ids"],
+            indexer_block_ids=a["indexer_block_ids"],
+            main_start=a["main_start_block"],
+            indexer_start=a["indexer_start_block"],
+            final=a["final"],
         )
+        return ep.schedule_chunk(chunk, t)
     if op == "layer_written":
         return ep.layer_written(a["layer_idx"], t)
     if op == "end_step":
         return ep.end_step(t)
     if op == "abort":
-        return ep.abort(a["ext_ids"], t)
+        return ep.abort(a["ext_ids"], a["reason"], t)
     if op == "receive":
         return ep.receive(a["conn"], base64.b64decode(a["frame"]), t)
     if op == "handle_timer":
@@ -100,8 +104,8 @@ def _consumer_call(ep: ConsumerEndpoint, op: str, a: dict[str, Any], t: float) -
         return ep.abort(a["ext_ids"], a["reason"], t)
     if op == "release":
         return ep.release(a["ext_req_id"], t)
-    if op == "receive_frame":
-        return ep.receive_frame(base64.b64decode(a["peer"]), base64.b64decode(a["frame"]), t)
+    if op == "receive":
+        return ep.receive(base64.b64decode(a["peer"]), base64.b64decode(a["frame"]), t)
     if op == "handle_timer":
         return ep.handle_timer(t)
     if op == "read_finished":

@@ -573,12 +573,11 @@ class PrefillSide:
         ok = self.worker.wait_writable(idx, self._gate_timeout_s)
         self.stats.record_gate_wait(time.monotonic() - start)
         if not ok:
-            err = TransferError(
+            raise TransferError(
                 f"{layer_name}: its storage is still being read after "
-                f"{self._gate_timeout_s:.0f} s; refusing to overwrite it"
+                f"{self._gate_timeout_s:.0f} s; refusing to overwrite it",
+                code=ErrorCode.TIMEOUT,
             )
-            err.code = ErrorCode.TIMEOUT
-            raise err
 
     def layer_written(self, layer_name: str) -> None:
         """The layer's KV is written (scatter issued): publish it once this step."""

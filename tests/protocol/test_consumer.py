@@ -1,6 +1,6 @@
 """The Decode endpoint (ConsumerEndpoint), driven with hand-built Prefill messages.
 
-Messages go through the codec (``encode`` then ``receive_frame``) so what is tested is
+Messages go through the codec (``encode`` then ``receive``) so what is tested is
 what a peer's bytes do; replies are encoded too, to check their wire shape (v1 replies
 must carry only v1 fields).
 """
@@ -155,7 +155,7 @@ def rr(
 
 def send(ep: ConsumerEndpoint, msg: Any, now: float = 0.0, peer: bytes = PEER) -> list[Output]:
     """Deliver ``msg`` as its wire bytes; check every reply round-trips through the codec."""
-    outs = ep.receive_frame(peer, encode(msg), now)
+    outs = ep.receive(peer, encode(msg), now)
     for out in outs:
         if isinstance(out, Reply | SendAbort):
             assert decode(encode(out.msg)) == out.msg
@@ -1329,7 +1329,7 @@ def test_garbage_is_dropped_and_counted() -> None:
         _raw([b"nonsense", 1]),
         _raw([b"read_ready_batch"]),
     ):
-        assert ep.receive_frame(PEER, frame, 0.0) == []
+        assert ep.receive(PEER, frame, 0.0) == []
     assert ep.stats.malformed_frames == 5 and ep.stats.dropped == 5
 
 
@@ -1340,20 +1340,18 @@ def test_identifiable_malformed_readiness_gets_failure_reply() -> None:
     frame = _raw(
         [TAG_READ_READY_BATCH, 4, LAYER_NAMES[0], [["r1", [-1], [0], 0, 0]], ["r1"], 0, 1, 77]
     )
-    outs = ep.receive_frame(PEER, frame, 0.0)
+    outs = ep.receive(PEER, frame, 0.0)
     reply = replies(outs)[0]
     assert isinstance(reply, ReadFailed) and reply.layer_idx == 4 and reply.seq == 77
     assert reply.code == ErrorCode.OUT_OF_RANGE
     assert only(outs, RequestFailed).ext_req_id == "r1"
     # v1-shaped (no seq): v1 read_failed. member >= ratio is refused as out of range.
     frame = _raw([TAG_READ_READY_BATCH, 2, LAYER_NAMES[2], [], [], 3, 2])
-    reply = replies(ep.receive_frame(PEER, frame, 0.0))[0]
+    reply = replies(ep.receive(PEER, frame, 0.0))[0]
     assert reply == ReadFailed(layer_idx=2, error=reply.error) and "group_member_idx" in reply.error
     # Unreadable seq or layer: dropped.
-    assert (
-        ep.receive_frame(PEER, _raw([TAG_READ_READY_BATCH, 2, "x", [], [], 0, 1, "s"]), 0.0) == []
-    )
-    assert ep.receive_frame(PEER, _raw([TAG_READ_READY_BATCH, -2, "x", 5]), 0.0) == []
+    assert ep.receive(PEER, _raw([TAG_READ_READY_BATCH, 2, "x", [], [], 0, 1, "s"]), 0.0) == []
+    assert ep.receive(PEER, _raw([TAG_READ_READY_BATCH, -2, "x", 5]), 0.0) == []
     assert ep.stats.malformed_frames == 4 and ep.stats.dropped == 2
 
 
@@ -1361,7 +1359,7 @@ def test_identify_ignores_odd_entries() -> None:
     ep = ready()
     ep.add_request("r1", [0], [0], 0.0)
     frame = _raw([TAG_READ_READY_BATCH, 0, 7, [5, [], [1], ["r1", "bad"]], "nope"])
-    outs = ep.receive_frame(PEER, frame, 0.0)
+    outs = ep.receive(PEER, frame, 0.0)
     assert only(outs, RequestFailed).ext_req_id == "r1"
 
 
@@ -1369,7 +1367,7 @@ def test_unexpected_messages_from_prefill_are_counted() -> None:
     ep = ready()
     assert send(ep, ReadDone(layer_idx=0)) == []
     assert send(ep, Ack(protocol_version=2)) == []
-    assert ep.receive_frame(PEER, b"ACK", 0.0) == []
+    assert ep.receive(PEER, b"ACK", 0.0) == []
     assert ep.stats.unexpected_messages == 3
 
 
@@ -1473,7 +1471,7 @@ def test_no_residual_state_after_churn(endings: list[str], park_first: bool) -> 
 def test_oversized_frame_is_dropped() -> None:
     ep = ready()
     frame = _raw([TAG_READ_READY_BATCH, 0, "x", [], [], 0, 1, 1, 0, "x" * (16 << 20)])
-    assert ep.receive_frame(PEER, frame, 0.0) == []
+    assert ep.receive(PEER, frame, 0.0) == []
     assert ep.stats.dropped == 1
 
 
@@ -1497,7 +1495,7 @@ def test_a_refused_frame_costs_no_more_than_the_bounded_codec(where: str) -> Non
     assert 4 << 20 < len(frame) <= 16 << 20
     tracemalloc.start()
     try:
-        outs = ep.receive_frame(PEER, frame, 0.0)
+        outs = ep.receive(PEER, frame, 0.0)
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
@@ -1513,10 +1511,10 @@ def test_identify_with_non_list_entries() -> None:
     ep = ready()
     ep.add_request("r1", [0], [0], 0.0)
     frame = _raw([TAG_READ_READY_BATCH, 1, "x", 7, ["r1"], 0, 1, 2])
-    outs = ep.receive_frame(PEER, frame, 0.0)
+    outs = ep.receive(PEER, frame, 0.0)
     assert replies(outs)[0].seq == 2 and only(outs, RequestFailed).ext_req_id == "r1"
     frame = _raw([TAG_READ_READY_BATCH, 1, "x", [["ghost", [1]]], [], 0, 1, 3])
-    assert of(ep.receive_frame(PEER, frame, 0.0), RequestFailed) == []
+    assert of(ep.receive(PEER, frame, 0.0), RequestFailed) == []
 
 
 def test_eviction_of_a_session_without_identity() -> None:
@@ -1603,7 +1601,7 @@ def test_hostile_frames_never_raise(fields: list[Any], noise: bytes) -> None:
     ep = ready()
     ep.add_request("r1", [0, 1], [0, 1], 0.0)
     for frame in (_raw([TAG_READ_READY_BATCH, *fields]), _raw(fields), noise):
-        for out in ep.receive_frame(PEER, frame, 1.0):
+        for out in ep.receive(PEER, frame, 1.0):
             if isinstance(out, Reply):
                 decode(encode(out.msg))  # every reply is a valid frame
             if isinstance(out, StartRead):
@@ -1643,7 +1641,7 @@ def test_readiness_decodes_alike_on_every_path(
         ep.add_request("r2", [6], [7], 0.0)
         last = 9 if bad_id is None else bad_id
         msg = rrb(0, [rr("r1", [1, 2], [8]), rr("r2", [0], [last])], seq=1)
-        outs = ep.receive_frame(PEER, frame_of(msg), 0.0)
+        outs = ep.receive(PEER, frame_of(msg), 0.0)
         plans = [
             (r.ext_req_id, *map(list, (r.main_src, r.main_dst, r.indexer_src, r.indexer_dst)))
             for o in of(outs, StartRead)
@@ -1727,9 +1725,9 @@ def test_every_spelling_of_layer_and_name_is_read_alike(idx: str, name: str) -> 
     def run(frame: bytes) -> tuple[list[Any], list[Any]]:
         ep = ready()
         ep.add_request("r1", [3, 4], [5], 0.0)
-        first = ep.receive_frame(PEER, encode(rrb(0, [rr("r1", [1, 2], [8])], seq=1)), 0.0)
+        first = ep.receive(PEER, encode(rrb(0, [rr("r1", [1, 2], [8])], seq=1)), 0.0)
         finish(ep, first)  # the entries are kept now
-        outs = ep.receive_frame(PEER, frame, 0.0)
+        outs = ep.receive(PEER, frame, 0.0)
         reads = [list(r.main_src) for o in of(outs, StartRead) for r in o.plan.requests]
         return reads, replies(finish(ep, outs))
 
@@ -1763,7 +1761,7 @@ def test_repeated_entries_are_decoded_once_and_read_alike() -> None:
     entries = [rr("r1", [1, 2], [3, 4]), rr("r2", [5], [5])]
 
     def layer(ep: ConsumerEndpoint, i: int, seq: int, done: Sequence[str] = ()) -> Any:
-        outs = ep.receive_frame(PEER, encode(rrb(i, entries, seq=seq, done=done)), 0.0)
+        outs = ep.receive(PEER, encode(rrb(i, entries, seq=seq, done=done)), 0.0)
         plan = only(outs, StartRead).plan
         return plan, replies(finish(ep, outs))
 
@@ -1806,13 +1804,13 @@ def test_kept_entries_never_vouch_for_the_rest_of_a_frame() -> None:
     frame = bytearray(encode(bad))
     assert frame[-1] == 2  # seq, the last field: make it a negative int
     frame[-1] = 0xFF
-    outs = ep.receive_frame(PEER, bytes(frame), 0.0)
+    outs = ep.receive(PEER, bytes(frame), 0.0)
     assert of(outs, StartRead) == [] and ep.stats.malformed_frames == 1
     fresh = ready()
     fresh.add_request("r1", [10], [12], 0.0)
-    assert replies(fresh.receive_frame(PEER, bytes(frame), 0.0)) == replies(outs)
+    assert replies(fresh.receive(PEER, bytes(frame), 0.0)) == replies(outs)
     # a frame cut short after the head is malformed too
-    assert ep.receive_frame(PEER, bytes(frame[:22]), 0.0) == []
+    assert ep.receive(PEER, bytes(frame[:22]), 0.0) == []
     assert ep.stats.malformed_frames == 2
 
 
@@ -1880,8 +1878,8 @@ def test_frames_in_other_buffers_are_read_alike(kind: Any) -> None:
     ep = ready()
     ep.add_request("r1", [10, 11], [12], 0.0)
     entries = [rr("r1", [1, 2], [3])]
-    first = ep.receive_frame(PEER, kind(encode(rrb(0, entries, seq=1))), 0.0)
-    again = ep.receive_frame(PEER, kind(encode(rrb(1, entries, seq=2))), 0.0)  # kept entries
+    first = ep.receive(PEER, kind(encode(rrb(0, entries, seq=1))), 0.0)
+    again = ep.receive(PEER, kind(encode(rrb(1, entries, seq=2))), 0.0)  # kept entries
     for outs in (first, again):
         (read,) = only(outs, StartRead).plan.requests
         assert (list(read.main_src), list(read.indexer_src)) == ([1, 2], [3])
@@ -1912,7 +1910,7 @@ def _spy_fast(monkeypatch: pytest.MonkeyPatch, *, disable: bool = False) -> list
 
 
 def _served(ep: ConsumerEndpoint, msg: ReadReadyBatch) -> tuple[Any, ...]:
-    outs = ep.receive_frame(PEER, encode(msg), 0.0)
+    outs = ep.receive(PEER, encode(msg), 0.0)
     plans = [
         (r.ext_req_id, *map(list, (r.main_src, r.main_dst, r.indexer_src, r.indexer_dst)))
         for o in of(outs, StartRead)

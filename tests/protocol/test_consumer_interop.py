@@ -28,6 +28,7 @@ from rd2h_protocol.consumer import (
     StartRead,
 )
 from rd2h_protocol.errors import TransferError
+from rd2h_protocol.events import Chunk
 from rd2h_protocol.layout import ComponentDest, DestinationLayout, LayerLayout
 from rd2h_protocol.producer import (
     Connect,
@@ -148,7 +149,7 @@ class Net:
             while self.to_decode:
                 p_rank, d_rank, frame = self.to_decode.popleft()
                 peer = str(p_rank).encode()
-                self.from_decode(d_rank, self.decode[d_rank].receive_frame(peer, frame, self.now))
+                self.from_decode(d_rank, self.decode[d_rank].receive(peer, frame, self.now))
             while self.to_prefill:
                 p_rank, conn, frame = self.to_prefill.popleft()
                 self.from_prefill(p_rank, self.prefill[p_rank].receive(conn, frame, self.now))
@@ -168,7 +169,20 @@ class Net:
         """One engine step on every Prefill rank: chunks, every layer, end."""
         for p, ep in enumerate(self.prefill):
             for ext, (ids, start, final) in chunks.items():
-                self.from_prefill(p, ep.schedule_chunk(ext, ids, ids, start, start, final))
+                self.from_prefill(
+                    p,
+                    ep.schedule_chunk(
+                        Chunk(
+                            ext_req_id=ext,
+                            main_block_ids=ids,
+                            indexer_block_ids=ids,
+                            main_start=start,
+                            indexer_start=start,
+                            final=final,
+                        ),
+                        0.0,
+                    ),
+                )
             for layer in range(len(LAYERS)):
                 self.pump()
                 assert ep.can_overwrite(layer)
@@ -246,7 +260,7 @@ def test_decode_abort_reaches_prefill_and_prefill_abort_reaches_decode() -> None
     net.pump()
     assert net.finished[(0, "a")].ok is False
     assert net.prefill[0].stats.aborts_received == 1
-    net.from_prefill(0, net.prefill[0].abort(["b"], net.now))
+    net.from_prefill(0, net.prefill[0].abort(["b"], "aborted by Prefill", net.now))
     net.pump()
     assert net.terminal[0] == {"a": "failed", "b": "failed"}
     assert net.decode[0].stats.aborts_received == 1

@@ -85,7 +85,7 @@ def _decode_rank(layers: int = 1) -> ConsumerEndpoint:
         protocol_version=2,
         capabilities=list(ALL_CAPABILITIES),
     )
-    ep.receive_frame(b"p0", encode(meta), 0.0)
+    ep.receive(b"p0", encode(meta), 0.0)
     return ep
 
 
@@ -101,7 +101,7 @@ def _consumer_with_read_in_flight() -> tuple[ConsumerEndpoint, StartRead]:
         seq=0,
         lease_ms=1000,
     )
-    outs = ep.receive_frame(b"p0", encode(batch), 0.0)
+    outs = ep.receive(b"p0", encode(batch), 0.0)
     (start,) = [o for o in outs if isinstance(o, StartRead)]
     return ep, start
 
@@ -143,7 +143,7 @@ def test_no_done_while_a_parked_readiness_still_names_the_request() -> None:
         seq=0,
         lease_ms=1000,
     )
-    assert ep.receive_frame(b"p0", encode(first), 0.0) == []  # parked: r1 is unknown
+    assert ep.receive(b"p0", encode(first), 0.0) == []  # parked: r1 is unknown
     last = ReadReadyBatch(
         layer_idx=1,
         layer_name="layer1",
@@ -152,7 +152,7 @@ def test_no_done_while_a_parked_readiness_still_names_the_request() -> None:
         seq=1,
         lease_ms=1000,
     )
-    (start,) = [o for o in ep.receive_frame(b"p0", encode(last), 0.0) if isinstance(o, StartRead)]
+    (start,) = [o for o in ep.receive(b"p0", encode(last), 0.0) if isinstance(o, StartRead)]
     outs = ep.read_finished(start.plan.read_id, None, 0.0)
     assert not [o for o in outs if isinstance(o, RequestDone)]
     assert ep.requests() == {"r0": "receiving"}

@@ -21,6 +21,7 @@ from rd2h_protocol.errors import (
     TopologyError,
     TransferError,
 )
+from rd2h_protocol.events import Chunk
 from rd2h_protocol.layout import LayerLayout, decode_layer_metadata
 from rd2h_protocol.messages import (
     ALL_CAPABILITIES,
@@ -145,7 +146,9 @@ def one_request_ready(
 ) -> list[ReadReadyBatch]:
     """r1 to the default engine, one chunk over every layer, handshake answered."""
     ep.add_request("r1", target(), 0.0)
-    ep.schedule_chunk("r1", [1, 2], [3], 0, 0, final)
+    ep.schedule_chunk(
+        Chunk(ext_req_id="r1", main_block_ids=[1, 2], indexer_block_ids=[3], final=final), 0.0
+    )
     out = write_layers(ep, range(len(ep.config.layers)), 1.0)
     out += ep.receive(CONN, ack or ack_v2(), 1.0)
     return readiness(out)
@@ -192,7 +195,9 @@ def test_config_refuses_bad_rank() -> None:
 def test_v2_handshake_queues_readiness_then_flushes_it_with_seq_and_lease() -> None:
     ep = endpoint(2)
     ep.add_request("r1", target(), 0.0)
-    ep.schedule_chunk("r1", [1, 2], [3], 0, 0, True)
+    ep.schedule_chunk(
+        Chunk(ext_req_id="r1", main_block_ids=[1, 2], indexer_block_ids=[3], final=True), 0.0
+    )
     out = ep.layer_written(0, 1.0)
     assert out[0] == Connect(CONN, HOST, BASE_PORT)
     (meta,) = sends(out)
@@ -222,7 +227,9 @@ def test_v2_handshake_queues_readiness_then_flushes_it_with_seq_and_lease() -> N
 def test_v2_mf_meta_says_where_readiness_seqs_resume() -> None:
     ep = endpoint(2)
     ep.add_request("r1", target(), 0.0)
-    ep.schedule_chunk("r1", [1, 2], [3], 0, 0, True)
+    ep.schedule_chunk(
+        Chunk(ext_req_id="r1", main_block_ids=[1, 2], indexer_block_ids=[3], final=True), 0.0
+    )
     out = write_layers(ep, range(2), 1.0)
     (handshake,) = sends(out, MfMeta)
     out += ep.receive(CONN, ack_v2(), 1.0)
@@ -230,7 +237,9 @@ def test_v2_mf_meta_says_where_readiness_seqs_resume() -> None:
     assert [m.seq for m in msgs] == [handshake.first_seq, handshake.first_seq + 1]
     forced_v1 = endpoint(2, protocol="v1")
     forced_v1.add_request("r1", target(), 0.0)
-    forced_v1.schedule_chunk("r1", [1, 2], [3], 0, 0, True)
+    forced_v1.schedule_chunk(
+        Chunk(ext_req_id="r1", main_block_ids=[1, 2], indexer_block_ids=[3], final=True), 0.0
+    )
     (v1_meta,) = sends(write_layers(forced_v1, range(2), 1.0), MfMeta)
     assert v1_meta.first_seq is None and len(msgpack.unpackb(encode(v1_meta))) == 3
 
@@ -238,7 +247,9 @@ def test_v2_mf_meta_says_where_readiness_seqs_resume() -> None:
 def test_compat_string_travels_in_mf_meta() -> None:
     ep = endpoint(1, compat="glm5|bf16|bs128|layout1")
     ep.add_request("r1", target(), 0.0)
-    ep.schedule_chunk("r1", [1], [1], 0, 0, True)
+    ep.schedule_chunk(
+        Chunk(ext_req_id="r1", main_block_ids=[1], indexer_block_ids=[1], final=True), 0.0
+    )
     (meta,) = sends(ep.layer_written(0, 0.0))
     assert meta.compat == "glm5|bf16|bs128|layout1"
 
@@ -258,7 +269,9 @@ def test_v1_peer_gets_v1_shapes_only() -> None:
 def test_forced_v1_sends_v1_mf_meta_and_ignores_v2_ack() -> None:
     ep = endpoint(1, protocol="v1")
     ep.add_request("r1", target(), 0.0)
-    ep.schedule_chunk("r1", [1], [1], 0, 0, True)
+    ep.schedule_chunk(
+        Chunk(ext_req_id="r1", main_block_ids=[1], indexer_block_ids=[1], final=True), 0.0
+    )
     out = ep.layer_written(0, 0.0)
     meta_frame = encode(next(o.msg for o in out if isinstance(o, Send)))
     assert len(msgpack.unpackb(meta_frame)) == 3
@@ -283,8 +296,12 @@ def test_slow_handshake_blocks_only_its_own_connection() -> None:
     ep = endpoint(1)
     ep.add_request("r1", target(), 0.0)
     ep.add_request("r2", target(base_port=OTHER_PORT), 0.0)
-    ep.schedule_chunk("r1", [1], [1], 0, 0, True)
-    ep.schedule_chunk("r2", [2], [2], 0, 0, True)
+    ep.schedule_chunk(
+        Chunk(ext_req_id="r1", main_block_ids=[1], indexer_block_ids=[1], final=True), 0.0
+    )
+    ep.schedule_chunk(
+        Chunk(ext_req_id="r2", main_block_ids=[2], indexer_block_ids=[2], final=True), 0.0
+    )
     out = ep.layer_written(0, 1.0)
     assert [o for o in out if isinstance(o, Connect)] == [
         Connect(CONN, HOST, BASE_PORT),
@@ -311,7 +328,9 @@ def test_slow_handshake_blocks_only_its_own_connection() -> None:
 
     # The next request to OTHER starts a new handshake on the same DEALER (no Connect).
     ep.add_request("r3", target(base_port=OTHER_PORT), 13.0)
-    ep.schedule_chunk("r3", [1], [1], 0, 0, True)
+    ep.schedule_chunk(
+        Chunk(ext_req_id="r3", main_block_ids=[1], indexer_block_ids=[1], final=True), 0.0
+    )
     out = ep.layer_written(0, 13.0)
     assert not any(isinstance(o, Connect) for o in out)
     assert isinstance(sends(out)[0], MfMeta)
@@ -321,7 +340,9 @@ def test_slow_handshake_blocks_only_its_own_connection() -> None:
 def test_refused_handshake_fails_queued_and_later_requests_at_once() -> None:
     ep = endpoint(1)
     ep.add_request("r1", target(), 0.0)
-    ep.schedule_chunk("r1", [1], [1], 0, 0, True)
+    ep.schedule_chunk(
+        Chunk(ext_req_id="r1", main_block_ids=[1], indexer_block_ids=[1], final=True), 0.0
+    )
     ep.layer_written(0, 0.0)
     refusal = Ack(
         protocol_version=2,
@@ -339,7 +360,9 @@ def test_refused_handshake_fails_queued_and_later_requests_at_once() -> None:
     ep.end_step(0.6)
 
     ep.add_request("r2", target(), 1.0)
-    ep.schedule_chunk("r2", [1], [1], 0, 0, True)
+    ep.schedule_chunk(
+        Chunk(ext_req_id="r2", main_block_ids=[1], indexer_block_ids=[1], final=True), 0.0
+    )
     out = ep.layer_written(0, 1.0)
     assert sends(out) == []
     assert opened(out) == [0, 1]
@@ -351,14 +374,20 @@ def test_refused_handshake_fails_queued_and_later_requests_at_once() -> None:
 def test_refused_connection_does_not_report_a_gate_another_connection_holds() -> None:
     ep = endpoint(1)
     ep.add_request("a", target(), 0.0)
-    ep.schedule_chunk("a", [1], [1], 0, 0, True)
+    ep.schedule_chunk(
+        Chunk(ext_req_id="a", main_block_ids=[1], indexer_block_ids=[1], final=True), 0.0
+    )
     ep.layer_written(0, 0.0)
     ep.receive(CONN, encode(Ack(protocol_version=2, error_code=13, error="compat")), 0.1)
     ep.end_step(0.2)
     ep.add_request("b", target(), 1.0)  # to the refused endpoint
     ep.add_request("c", target(base_port=OTHER_PORT), 1.0)
-    ep.schedule_chunk("b", [1], [1], 0, 0, True)
-    ep.schedule_chunk("c", [1], [1], 0, 0, True)
+    ep.schedule_chunk(
+        Chunk(ext_req_id="b", main_block_ids=[1], indexer_block_ids=[1], final=True), 0.0
+    )
+    ep.schedule_chunk(
+        Chunk(ext_req_id="c", main_block_ids=[1], indexer_block_ids=[1], final=True), 0.0
+    )
     out = ep.layer_written(0, 1.0)
     assert opened(out) == []  # c's publication still holds the storage
     assert finished(out)["b"].code == ErrorCode.INCOMPATIBLE
@@ -368,7 +397,9 @@ def test_refused_connection_does_not_report_a_gate_another_connection_holds() ->
 def test_refusal_without_reason_still_says_who_refused() -> None:
     ep = endpoint(1)
     ep.add_request("r1", target(), 0.0)
-    ep.schedule_chunk("r1", [1], [1], 0, 0, True)
+    ep.schedule_chunk(
+        Chunk(ext_req_id="r1", main_block_ids=[1], indexer_block_ids=[1], final=True), 0.0
+    )
     ep.layer_written(0, 0.0)
     out = ep.receive(CONN, encode(Ack(protocol_version=2, error_code=13)), 0.5)
     assert CONN in finished(out)["r1"].message
@@ -391,7 +422,9 @@ def test_ack_outside_a_handshake_is_dropped() -> None:
 def test_unequal_tp_four_to_two() -> None:
     ep = endpoint(1, p_rank=3, p_tp=4)
     ep.add_request("r1", target(d_tp=2), 0.0)
-    ep.schedule_chunk("r1", [1], [1], 0, 0, True)
+    ep.schedule_chunk(
+        Chunk(ext_req_id="r1", main_block_ids=[1], indexer_block_ids=[1], final=True), 0.0
+    )
     out = ep.layer_written(0, 0.0)
     assert out[0] == Connect(f"{HOST}:{BASE_PORT + 1}", HOST, BASE_PORT + 1)
     (msg,) = readiness(ep.receive(f"{HOST}:{BASE_PORT + 1}", ack_v2(), 0.1))
@@ -404,8 +437,12 @@ def test_two_decode_engines_with_different_tp_get_their_own_identity() -> None:
     engine_b = target(d_tp=1, base_port=OTHER_PORT)  # ratio 4: d_rank 0, member 3
     ep.add_request("a", engine_a, 0.0)
     ep.add_request("b", engine_b, 0.0)
-    ep.schedule_chunk("a", [1], [1], 0, 0, True)
-    ep.schedule_chunk("b", [2], [2], 0, 0, True)
+    ep.schedule_chunk(
+        Chunk(ext_req_id="a", main_block_ids=[1], indexer_block_ids=[1], final=True), 0.0
+    )
+    ep.schedule_chunk(
+        Chunk(ext_req_id="b", main_block_ids=[2], indexer_block_ids=[2], final=True), 0.0
+    )
     ep.layer_written(0, 0.0)
     conn_a = f"{HOST}:{BASE_PORT + 3}"
     assert set(ep.connections()) == {conn_a, OTHER}
@@ -438,8 +475,12 @@ def test_reuse_ring_waits_for_every_endpoint_of_the_previous_owner() -> None:
     assert [ep.layer_slots(i) for i in range(4)] == [(0, 1), (2, 3), (4, 5), (0, 1)]
     ep.add_request("a", target(), 0.0)
     ep.add_request("b", target(base_port=OTHER_PORT), 0.0)
-    ep.schedule_chunk("a", [1, 2], [1], 0, 0, True)
-    ep.schedule_chunk("b", [3], [2], 0, 0, True)
+    ep.schedule_chunk(
+        Chunk(ext_req_id="a", main_block_ids=[1, 2], indexer_block_ids=[1], final=True), 0.0
+    )
+    ep.schedule_chunk(
+        Chunk(ext_req_id="b", main_block_ids=[3], indexer_block_ids=[2], final=True), 0.0
+    )
     write_layers(ep, [0, 1, 2], 1.0)
     msgs = {
         CONN: readiness(ep.receive(CONN, ack_v2(), 1.0)),
@@ -599,8 +640,12 @@ def test_lease_expiry_with_two_endpoints_aborts_both_before_reopening() -> None:
     ep = endpoint(1)
     ep.add_request("a", target(), 0.0)
     ep.add_request("b", target(base_port=OTHER_PORT), 0.0)
-    ep.schedule_chunk("a", [1], [1], 0, 0, True)
-    ep.schedule_chunk("b", [2], [2], 0, 0, True)
+    ep.schedule_chunk(
+        Chunk(ext_req_id="a", main_block_ids=[1], indexer_block_ids=[1], final=True), 0.0
+    )
+    ep.schedule_chunk(
+        Chunk(ext_req_id="b", main_block_ids=[2], indexer_block_ids=[2], final=True), 0.0
+    )
     ep.layer_written(0, 1.0)
     ep.receive(CONN, ack_v2(), 1.0)
     ep.receive(OTHER, ack_v2(), 1.0)
@@ -632,7 +677,9 @@ def test_v1_lease_expiry_reopen_is_v1s_unsafe_behaviour() -> None:
 def test_lease_expiry_of_readiness_that_never_left() -> None:
     ep = endpoint(1, lease_ms=1000)
     ep.add_request("r1", target(), 0.0)
-    ep.schedule_chunk("r1", [1], [1], 0, 0, True)
+    ep.schedule_chunk(
+        Chunk(ext_req_id="r1", main_block_ids=[1], indexer_block_ids=[1], final=True), 0.0
+    )
     ep.layer_written(0, 0.0)
     out = ep.handle_timer(1.0)  # the handshake (10 s) is still running
     assert sends(out) == []  # nothing was on the wire, nothing to abort
@@ -646,7 +693,9 @@ def test_lease_expiry_of_readiness_that_never_left() -> None:
 def test_readiness_whose_lease_ran_out_during_the_handshake_is_not_sent() -> None:
     ep = endpoint(1, lease_ms=1000)
     ep.add_request("r1", target(), 0.0)
-    ep.schedule_chunk("r1", [1], [1], 0, 0, True)
+    ep.schedule_chunk(
+        Chunk(ext_req_id="r1", main_block_ids=[1], indexer_block_ids=[1], final=True), 0.0
+    )
     ep.layer_written(0, 0.0)
     out = ep.receive(CONN, ack_v2(), 1.0)  # the ACK comes before the lease timer runs
     assert readiness(out) == []  # lease_ms 0 would let Decode read a reopened storage
@@ -711,7 +760,9 @@ def test_isolated_failures_fail_only_their_requests() -> None:
     ep = endpoint(2)
     for ext_id in ("r1", "r2", "r3"):
         ep.add_request(ext_id, target(), 0.0)
-        ep.schedule_chunk(ext_id, [1], [1], 0, 0, True)
+        ep.schedule_chunk(
+            Chunk(ext_req_id=ext_id, main_block_ids=[1], indexer_block_ids=[1], final=True), 0.0
+        )
     ep.layer_written(0, 1.0)
     (m0,) = readiness(ep.receive(CONN, ack_v2(), 1.0))
     bad = [
@@ -798,7 +849,7 @@ def test_abort_during_a_rehandshake_is_held_until_the_ack() -> None:
     ep = endpoint(1)
     (m0,) = one_request_ready(ep)
     ep.receive(CONN, failed(m0, "", ErrorCode.UNKNOWN_SESSION), 2.0)
-    assert ep.abort(["r1"], 2.1) == []  # no session on the peer yet
+    assert ep.abort(["r1"], "aborted by Prefill", 2.1) == []  # no session on the peer yet
     out = ep.receive(CONN, ack_v2(), 2.2)
     (replay,) = readiness(out)
     assert replay.read_reqs == [] and replay.done_ext_ids == []  # r1 is not published
@@ -813,7 +864,7 @@ def test_handshake_timeout_drops_held_aborts() -> None:
     ep = endpoint(1)
     (m0,) = one_request_ready(ep)
     ep.receive(CONN, failed(m0, "", ErrorCode.UNKNOWN_SESSION), 2.0)
-    ep.abort(["r1"], 2.1)
+    ep.abort(["r1"], "aborted by Prefill", 2.1)
     out = ep.handle_timer(12.0)
     assert sends(out) == []
     assert finished(out)["r1"].code == ErrorCode.ABORTED  # the first reason is reported
@@ -828,11 +879,15 @@ def test_abort_stops_publishing_and_tells_a_v2_peer() -> None:
     ep = endpoint(2)
     ep.add_request("r1", target(), 0.0)
     ep.add_request("r2", target(), 0.0)
-    ep.schedule_chunk("r1", [1], [1], 0, 0, True)
-    ep.schedule_chunk("r2", [2], [2], 0, 0, True)
+    ep.schedule_chunk(
+        Chunk(ext_req_id="r1", main_block_ids=[1], indexer_block_ids=[1], final=True), 0.0
+    )
+    ep.schedule_chunk(
+        Chunk(ext_req_id="r2", main_block_ids=[2], indexer_block_ids=[2], final=True), 0.0
+    )
     ep.layer_written(0, 1.0)
     (m0,) = readiness(ep.receive(CONN, ack_v2(), 1.0))
-    out = ep.abort(["r1", "nope"], 1.5)
+    out = ep.abort(["r1", "nope"], "aborted by Prefill", 1.5)
     (abort,) = sends(out)
     assert isinstance(abort, Abort) and abort.ext_ids == ["r1"]
     assert finished(out) == {}  # layer 0 may still be read: wait for its reply
@@ -840,13 +895,15 @@ def test_abort_stops_publishing_and_tells_a_v2_peer() -> None:
     (m1,) = readiness(ep.layer_written(1, 2.0))
     assert [r.ext_req_id for r in m1.read_reqs] == ["r2"]
     assert m1.done_ext_ids == ["r2"]
-    assert ep.abort(["r1"], 2.0) == []  # aborting already
+    assert ep.abort(["r1"], "aborted by Prefill", 2.0) == []  # aborting already
     out = ep.receive(CONN, done(m0), 2.5)
     r1 = finished(out)["r1"]
     assert (r1.ok, r1.code) == (False, ErrorCode.ABORTED)
     # r1 is forgotten now: a chunk for it is the caller's mistake.
     with pytest.raises(LocalProtocolError, match="not registered"):
-        ep.schedule_chunk("r1", [1], [1], 0, 0, True)
+        ep.schedule_chunk(
+            Chunk(ext_req_id="r1", main_block_ids=[1], indexer_block_ids=[1], final=True), 0.0
+        )
     assert finished(ep.receive(CONN, done(m1), 3.0))["r2"].ok
     ep.end_step(3.0)
     assert ep.is_idle()
@@ -855,21 +912,49 @@ def test_abort_stops_publishing_and_tells_a_v2_peer() -> None:
 def test_abort_toward_v1_peer_and_before_any_chunk() -> None:
     ep = endpoint(1)
     (_m0,) = one_request_ready(ep, ACK_V1_FRAME)
-    assert ep.abort(["r1"], 2.0) == []  # a v1 peer cannot be told
+    assert ep.abort(["r1"], "aborted by Prefill", 2.0) == []  # a v1 peer cannot be told
     ep.add_request("r2", target(), 2.0)
-    out = ep.abort(["r2"], 2.0)  # nothing out for it: finished at once
+    out = ep.abort(["r2"], "aborted by Prefill", 2.0)  # nothing out for it: finished at once
     assert finished(out)["r2"].code == ErrorCode.ABORTED
 
 
 def test_chunks_for_an_ending_request_are_ignored() -> None:
     ep = endpoint(2)
     ep.add_request("r1", target(), 0.0)
-    ep.schedule_chunk("r1", [1], [1], 0, 0, False)
+    ep.schedule_chunk(
+        Chunk(ext_req_id="r1", main_block_ids=[1], indexer_block_ids=[1], final=False), 0.0
+    )
     ep.layer_written(0, 0.0)
-    ep.abort(["r1"], 0.5)
+    ep.abort(["r1"], "aborted by Prefill", 0.5)
     assert ep.end_step(0.5) == []  # aborting already: not failed for the missing layer
-    assert ep.schedule_chunk("r1", [2], [2], 1, 1, False) == []
-    assert ep.schedule_chunk("r1", [3], [3], 2, 2, True) == []
+    assert (
+        ep.schedule_chunk(
+            Chunk(
+                ext_req_id="r1",
+                main_block_ids=[2],
+                indexer_block_ids=[2],
+                main_start=1,
+                indexer_start=1,
+                final=False,
+            ),
+            0.0,
+        )
+        == []
+    )
+    assert (
+        ep.schedule_chunk(
+            Chunk(
+                ext_req_id="r1",
+                main_block_ids=[3],
+                indexer_block_ids=[3],
+                main_start=2,
+                indexer_start=2,
+                final=True,
+            ),
+            0.0,
+        )
+        == []
+    )
     assert ep.layer_written(1, 1.0) == []  # nothing: r1 is not published
     out = ep.handle_timer(11.0)  # the handshake never finished
     assert finished(out)["r1"].code == ErrorCode.ABORTED
@@ -899,7 +984,7 @@ def test_abort_from_decode_after_a_failure_keeps_the_failure() -> None:
     m0, m1 = one_request_ready(ep)
     ep.receive(CONN, failed(m0, "bad", ErrorCode.TRANSFER_FAILED), 2.0)
     ep.receive(CONN, encode(Abort(ext_ids=["r1"])), 2.1)
-    ep.abort(["r1"], 2.2)
+    ep.abort(["r1"], "aborted by Prefill", 2.2)
     out = ep.receive(CONN, done(m1, [FailedRequest("r1", ErrorCode.ABORTED)]), 2.5)
     assert finished(out)["r1"].code == ErrorCode.TRANSFER_FAILED
 
@@ -1029,7 +1114,9 @@ def test_a_silent_peer_holding_storage_is_declared_dead() -> None:
     # The next publication hand-shakes again on a new connection.
     ep.end_step(36.0)
     ep.add_request("r2", target(), 40.0)
-    ep.schedule_chunk("r2", [1], [1], 0, 0, True)
+    ep.schedule_chunk(
+        Chunk(ext_req_id="r2", main_block_ids=[1], indexer_block_ids=[1], final=True), 0.0
+    )
     out = write_layers(ep, [0], 40.0)
     assert isinstance(out[0], Connect) and isinstance(sends(out)[0], MfMeta)
 
@@ -1077,8 +1164,12 @@ def test_held_v1_gate_waits_for_every_endpoint_of_the_layer() -> None:
     ep = endpoint(1)
     ep.add_request("a", target(), 0.0)
     ep.add_request("b", target(base_port=OTHER_PORT), 0.0)
-    ep.schedule_chunk("a", [1], [1], 0, 0, True)
-    ep.schedule_chunk("b", [2], [2], 0, 0, True)
+    ep.schedule_chunk(
+        Chunk(ext_req_id="a", main_block_ids=[1], indexer_block_ids=[1], final=True), 0.0
+    )
+    ep.schedule_chunk(
+        Chunk(ext_req_id="b", main_block_ids=[2], indexer_block_ids=[2], final=True), 0.0
+    )
     ep.layer_written(0, 1.0)
     (ma,) = readiness(ep.receive(CONN, ACK_V1_FRAME, 1.0))
     (_mb,) = readiness(ep.receive(OTHER, ACK_V1_FRAME, 1.0))
@@ -1112,7 +1203,7 @@ def test_rehandshake_sends_one_abort_for_an_aborted_request_whose_lease_ran_out(
     ep = endpoint(2)
     _m0, m1 = one_request_ready(ep)
     ep.receive(CONN, failed(m1, "", ErrorCode.UNKNOWN_SESSION), 25.0)
-    ep.abort(["r1"], 26.0)  # queued behind the handshake: not sent yet
+    ep.abort(["r1"], "aborted by Prefill", 26.0)  # queued behind the handshake: not sent yet
     out = ep.handle_timer(31.0)
     assert opened(out) == [2, 3]
     assert ep.gates()[0] == ("expired", 1)  # a queued ABORT is not a sent one
@@ -1194,7 +1285,9 @@ def test_rehandshake_timeout_under_reopen_policy_reopens_untold() -> None:
 def publish_one(ep: ProducerEndpoint, ext_id: str, now: float) -> list[Output]:
     """Register ``ext_id`` to the default engine and publish its one layer at ``now``."""
     ep.add_request(ext_id, target(), now)
-    ep.schedule_chunk(ext_id, [1], [1], 0, 0, True)
+    ep.schedule_chunk(
+        Chunk(ext_req_id=ext_id, main_block_ids=[1], indexer_block_ids=[1], final=True), 0.0
+    )
     out = ep.layer_written(0, now)
     ep.end_step(now)
     return out
@@ -1287,7 +1380,7 @@ def test_reply_after_connection_lost_frees_the_storage_early() -> None:
 def test_connection_lost_sends_no_second_abort_for_an_aborted_request() -> None:
     ep = endpoint(1)
     one_request_ready(ep)
-    assert len(sends(ep.abort(["r1"], 2.0), Abort)) == 1
+    assert len(sends(ep.abort(["r1"], "aborted by Prefill", 2.0), Abort)) == 1
     out = ep.connection_lost(CONN, 3.0)
     assert sends(out) == []
     assert finished(out)["r1"].code == ErrorCode.ABORTED  # the first reason is kept
@@ -1320,7 +1413,9 @@ def test_connection_lost_for_a_name_never_opened_is_the_callers_mistake() -> Non
 def test_chunked_request_sends_done_only_with_the_final_chunks_last_layer() -> None:
     ep = endpoint(2)
     ep.add_request("r1", target(), 0.0)
-    ep.schedule_chunk("r1", [1, 2], [1], 0, 0, False)
+    ep.schedule_chunk(
+        Chunk(ext_req_id="r1", main_block_ids=[1, 2], indexer_block_ids=[1], final=False), 0.0
+    )
     out = write_layers(ep, [0, 1], 1.0)
     out += ep.receive(CONN, ack_v2(), 1.0)
     step1 = readiness(out)
@@ -1330,7 +1425,17 @@ def test_chunked_request_sends_done_only_with_the_final_chunks_last_layer() -> N
     assert ep.requests() == {"r1": "sending"}
     ep.end_step(1.5)
 
-    ep.schedule_chunk("r1", [3], [2], 2, 1, True)
+    ep.schedule_chunk(
+        Chunk(
+            ext_req_id="r1",
+            main_block_ids=[3],
+            indexer_block_ids=[2],
+            main_start=2,
+            indexer_start=1,
+            final=True,
+        ),
+        0.0,
+    )
     step2 = readiness(write_layers(ep, [0, 1], 2.0))
     assert [m.done_ext_ids for m in step2] == [[], ["r1"]]
     assert [(r.main_start_block, r.indexer_start_block) for r in step2[0].read_reqs] == [(2, 1)]
@@ -1346,7 +1451,9 @@ def test_chunked_request_sends_done_only_with_the_final_chunks_last_layer() -> N
 def test_final_chunk_without_new_blocks_sends_only_the_done_id() -> None:
     ep = endpoint(2)
     ep.add_request("r1", target(), 0.0)
-    ep.schedule_chunk("r1", [], [], 4, 4, True)
+    ep.schedule_chunk(
+        Chunk(ext_req_id="r1", main_block_ids=[], main_start=4, indexer_start=4, final=True), 0.0
+    )
     out = write_layers(ep, [0, 1], 1.0)
     assert ep.gates()[0] == ("open", 0)  # layer 0 published nothing
     (msg,) = readiness(out + ep.receive(CONN, ack_v2(), 1.0))
@@ -1358,7 +1465,9 @@ def test_end_step_with_missing_layers_fails_its_requests_with_step_incomplete() 
     ep = endpoint(3)
     ep.add_request("r1", target(), 0.0)
     ep.add_request("idle", target(), 0.0)
-    ep.schedule_chunk("r1", [1], [1], 0, 0, True)
+    ep.schedule_chunk(
+        Chunk(ext_req_id="r1", main_block_ids=[1], indexer_block_ids=[1], final=True), 0.0
+    )
     out = write_layers(ep, [0], 1.0)
     (m0,) = readiness(out + ep.receive(CONN, ack_v2(), 1.0))
     assert ep.end_step(1.5) == []  # failing, but layer 0 is still out
@@ -1372,16 +1481,35 @@ def test_local_misuse_raises() -> None:
     ep = endpoint(3)
     ep.add_request("r1", target(), 0.0)
     with pytest.raises(LocalProtocolError, match="not registered"):
-        ep.schedule_chunk("nope", [1], [1], 0, 0, False)
+        ep.schedule_chunk(
+            Chunk(ext_req_id="nope", main_block_ids=[1], indexer_block_ids=[1], final=False), 0.0
+        )
     with pytest.raises(LocalProtocolError, match="start blocks"):
-        ep.schedule_chunk("r1", [1], [1], -1, 0, False)
+        ep.schedule_chunk(
+            Chunk(
+                ext_req_id="r1",
+                main_block_ids=[1],
+                indexer_block_ids=[1],
+                main_start=-1,
+                final=False,
+            ),
+            0.0,
+        )
     with pytest.raises(LocalProtocolError, match="block ids"):
-        ep.schedule_chunk("r1", [1, -2], [1], 0, 0, False)
+        ep.schedule_chunk(
+            Chunk(ext_req_id="r1", main_block_ids=[1, -2], indexer_block_ids=[1], final=False), 0.0
+        )
     with pytest.raises(LocalProtocolError, match="block ids"):
-        ep.schedule_chunk("r1", [1], [-1], 0, 0, False)
-    ep.schedule_chunk("r1", [1], [1], 0, 0, False)
+        ep.schedule_chunk(
+            Chunk(ext_req_id="r1", main_block_ids=[1], indexer_block_ids=[-1], final=False), 0.0
+        )
+    ep.schedule_chunk(
+        Chunk(ext_req_id="r1", main_block_ids=[1], indexer_block_ids=[1], final=False), 0.0
+    )
     with pytest.raises(LocalProtocolError, match="twice"):
-        ep.schedule_chunk("r1", [1], [1], 0, 0, False)
+        ep.schedule_chunk(
+            Chunk(ext_req_id="r1", main_block_ids=[1], indexer_block_ids=[1], final=False), 0.0
+        )
     with pytest.raises(LocalProtocolError, match="outside"):
         ep.layer_written(3, 0.0)
     with pytest.raises(LocalProtocolError, match="outside"):
@@ -1392,7 +1520,9 @@ def test_local_misuse_raises() -> None:
             ep.layer_written(layer, 0.0)
     ep.add_request("r2", target(), 0.0)
     with pytest.raises(LocalProtocolError, match="before the step's first"):
-        ep.schedule_chunk("r2", [1], [1], 0, 0, False)
+        ep.schedule_chunk(
+            Chunk(ext_req_id="r2", main_block_ids=[1], indexer_block_ids=[1], final=False), 0.0
+        )
     ep.layer_written(2, 0.0)
     ep.end_step(0.0)
     # A final chunk closes the request's schedule.
@@ -1400,7 +1530,17 @@ def test_local_misuse_raises() -> None:
     one_request_ready(ep)
     ep.end_step(1.0)
     with pytest.raises(LocalProtocolError, match="LOCAL_CHUNK is not allowed in state final_sent"):
-        ep.schedule_chunk("r1", [2], [2], 1, 1, False)
+        ep.schedule_chunk(
+            Chunk(
+                ext_req_id="r1",
+                main_block_ids=[2],
+                indexer_block_ids=[2],
+                main_start=1,
+                indexer_start=1,
+                final=False,
+            ),
+            0.0,
+        )
 
 
 # -- peer input hygiene --------------------------------------------------------------------

@@ -29,6 +29,7 @@ from test_producer import ACK_V1_FRAME, ack_v2, layers
 
 from rd2h_protocol.codec import decode, encode
 from rd2h_protocol.errors import ErrorCode
+from rd2h_protocol.events import Chunk
 from rd2h_protocol.messages import (
     Abort,
     Ack,
@@ -125,7 +126,15 @@ class ProducerModel(RuleBasedStateMachine):
             self.schedule_one(ext_id, data.draw(st.integers(0, 3)), data.draw(st.booleans()))
 
     def schedule_one(self, ext_id: str, n: int, final: bool) -> None:
-        self.ep.schedule_chunk(ext_id, list(range(n)), list(range(n)), 0, 0, final)
+        self.ep.schedule_chunk(
+            Chunk(
+                ext_req_id=ext_id,
+                main_block_ids=list(range(n)),
+                indexer_block_ids=list(range(n)),
+                final=final,
+            ),
+            self.now,
+        )
         if final:
             self.final_scheduled.add(ext_id)
 
@@ -217,7 +226,7 @@ class ProducerModel(RuleBasedStateMachine):
             frame = encode(Abort(ext_ids=[ext_id], reason="decode gave up"))
             self.apply(self.ep.receive(V2_CONN, frame, self.now))
         else:
-            self.apply(self.ep.abort([ext_id], self.now))
+            self.apply(self.ep.abort([ext_id], "aborted by Prefill", self.now))
 
     @precondition(lambda self: bool(self.ep.connections()))
     @rule(data=st.data())
@@ -283,7 +292,7 @@ class ProducerModel(RuleBasedStateMachine):
         assert all(state == (GATE_OPEN, 0) for state in ep.gates().values())
         assert ep.publications() == {}
         assert set(ep.requests().values()) <= {"registered", "sending"}
-        self.apply(ep.abort(list(ep.requests()), self.now))
+        self.apply(ep.abort(list(ep.requests()), "aborted by Prefill", self.now))
         assert ep.is_idle()
 
 
