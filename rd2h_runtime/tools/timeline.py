@@ -608,7 +608,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args_in = list(sys.argv[1:] if argv is None else argv)
     if args_in and args_in[0] == "check":
-        from rd2h_runtime.trace_check import main as check_main
+        from rd2h_runtime.tools.trace_check import main as check_main
 
         return check_main(args_in[1:])
     args = build_parser().parse_args(args_in)
