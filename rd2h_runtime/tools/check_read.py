@@ -1,5 +1,7 @@
 """Two-endpoint read check of a transfer backend (``rd2h check-read``).
 
+Over 600 lines: both sides, the driver and the test source share one REP-socket exchange.
+
 Proves, independently of vLLM and of the control protocol, that one backend can move real
 bytes from a Prefill process to a Decode process on the hosts at hand:
 

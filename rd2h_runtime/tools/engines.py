@@ -1,5 +1,7 @@
 """Synthetic Prefill and Decode engines: every TP rank of one role, in this process or a child.
 
+Over 600 lines: both roles' engines and the child runner share one spec and pipe protocol.
+
 An *engine* is what one vLLM instance would be: all TP ranks of one role, each rank a
 :class:`~rd2h_runtime.prefill.PrefillWorker` or :class:`~rd2h_runtime.decode.DecodeWorker`
 with its own transfer backend and its own sockets (the ranks of one engine share a process,

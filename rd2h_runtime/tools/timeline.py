@@ -1,5 +1,7 @@
 """``rd2h trace``: merge protocol traces into a timeline; ``rd2h trace check``: replay them.
 
+Over 600 lines: one pipeline (load, link, offsets, timeline, summary, PNG), stage by stage.
+
 ``rd2h trace FILES_OR_DIRS... [-o timeline.json]`` reads the NDJSON traces of every rank
 of both roles (:mod:`rd2h_runtime.trace`), puts them on one clock, writes Chrome
 trace-event JSON (open it in https://ui.perfetto.dev or chrome://tracing) with one process
