@@ -5,7 +5,16 @@ from __future__ import annotations
 import subprocess
 import sys
 
-RUNTIME_PROPER = ("decode", "prefill", "planning", "control", "transfer", "proxy", "trace")
+RUNTIME_PROPER = (
+    "decode",
+    "prefill",
+    "worker",
+    "planning",
+    "control",
+    "transfer",
+    "proxy",
+    "trace",
+)
 
 
 def test_runtime_proper_imports_no_tool() -> None:
