@@ -161,8 +161,8 @@ def instrument(pair: Pair, probe: Probe) -> None:
     d._send = send_reply  # type: ignore[method-assign]
     # the I/O threads: when a frame is handed to ZMQ (after the wake-up from the thread
     # that queued it), and when a readable socket is served
-    client: Any = p._client
-    server: Any = d._server
+    client: Any = p._control
+    server: Any = d._control
     flush_conn = client._flush_conn_locked
 
     def p_flush(c: Any) -> None:

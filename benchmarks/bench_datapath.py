@@ -6,7 +6,7 @@ each layer size (default 20 MiB and 256 MiB, the two ends of per-layer KV volume
 * ``memcpy``: ``numpy.copyto`` of the layer between two buffers of this process, the
   ceiling any copy on this machine can reach;
 * each backend's ``read()`` of the whole layer from a Prefill source in ANOTHER process
-  (``rd2h_runtime.check_read.prefill_source``; ``loopback`` reads in-process), as one
+  (``rd2h_runtime.tools.check_read.prefill_source``; ``loopback`` reads in-process), as one
   batched read of ``--chunk``-byte descriptors, exactly as Decode issues it.
 
 Every sample is one full layer; the report gives the median of ``--repeats`` samples after
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from rd2h_protocol.errors import ProtocolError
-from rd2h_runtime.check_read import pattern, prefill_source
+from rd2h_runtime.tools.check_read import pattern, prefill_source
 from rd2h_runtime.transfer import create_backend
 
 MIB = 1 << 20

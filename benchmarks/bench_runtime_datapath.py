@@ -46,7 +46,7 @@ from rd2h_protocol.producer import DecodeTarget, ProducerConfig
 from rd2h_runtime.decode import DecodeWorker
 from rd2h_runtime.planning import Descriptors, build_descriptors
 from rd2h_runtime.prefill import PrefillWorker
-from rd2h_runtime.synthetic import DecodeDestinations, PrefillCache, SyntheticModel
+from rd2h_runtime.tools.synthetic import DecodeDestinations, PrefillCache, SyntheticModel
 from rd2h_runtime.transfer import create_backend
 
 HOST = "127.0.0.1"

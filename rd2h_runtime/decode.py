@@ -25,6 +25,8 @@ Three threads call into the endpoint (the caller, the I/O thread, the read worke
 lock serialises every call together with the execution of its outputs, which never
 block (the ROUTER queues frames, the read queue is unbounded and holds at most one plan
 per readiness message). Lock order: this worker's lock, then the server's internal lock.
+The lock, the calls, the trace and the lifecycle are
+:class:`~rd2h_runtime.worker.EndpointWorker`'s.
 
 ``read_timeout_s`` should stay below half the Prefill lease: a read that starts at its
 ``start_by`` then ends (or is abandoned) before the lease can expire on Prefill, so
@@ -33,7 +35,6 @@ Prefill never reuses storage under a read that might still report success.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import logging
@@ -63,25 +64,22 @@ from rd2h_protocol.layout import DestinationLayout
 from rd2h_protocol.plan import ReadPlan
 from rd2h_runtime.control import (
     ConnectionEvent,
-    ControlClosed,
     ControlOptions,
-    ControlStats,
     DecodeControlServer,
     PeerFrame,
     PeerSendFailed,
-    QueueFull,
     ServerEvent,
     TimerDue,
 )
 from rd2h_runtime.planning import Descriptors, build_descriptors
-from rd2h_runtime.trace import Tracer, open_tracer
+from rd2h_runtime.trace import open_tracer
 from rd2h_runtime.transfer import TransferBackend
+from rd2h_runtime.worker import CLOSE_TIMEOUT_S, EndpointWorker
 
 __all__ = ["DecodeMetrics", "DecodeWorker", "Outcome", "ReadRecord", "destination_regions"]
 
 log = logging.getLogger("rd2h_runtime.decode")
 
-_CLOSE_TIMEOUT_S: Final = 10.0
 _OUTLIVE_POLL_S: Final = 5.0  # how often a failed read's running engine call is checked
 # ConsumerStats counters of peer input that was refused or dropped: logged per peer.
 _REFUSALS: Final = (
@@ -154,7 +152,7 @@ class DecodeMetrics:
     reads_outlived: int = 0  # failed reads whose engine call ran on (reported when it ended)
 
 
-class DecodeWorker:
+class DecodeWorker(EndpointWorker[Output, Outcome, bytes, ServerEvent]):
     """One Decode TP rank: a consumer endpoint bound to a ROUTER, a read worker, a backend.
 
     The ROUTER binds ``host:port`` (``port`` 0: an ephemeral port, read it back from
@@ -164,6 +162,15 @@ class DecodeWorker:
     :meth:`release`, for :meth:`wait_finished`. ``planner`` turns a read plan into the
     descriptors of one batched read (benchmarks swap in a baseline to compare).
     """
+
+    _ROLE = "Decode"
+    _log = log
+    _CALLBACK = "on_outcome"
+    # The reply is lost: Prefill's lease covers it.
+    _DROPPED = "reply to %r dropped: %s"
+    _endpoint: ConsumerEndpoint
+    _control: DecodeControlServer
+    metrics: DecodeMetrics
 
     def __init__(
         self,
@@ -181,26 +188,19 @@ class DecodeWorker:
         on_read: Callable[[ReadRecord], None] | None = None,
         trace_dir: str | None = None,
     ) -> None:
+        super().__init__(backend, own_backend, on_outcome)
         self.config = config
         self._on_read = on_read
         self._planner = planner
-        self._backend = backend
-        self._own_backend = own_backend
         self._read_timeout_s = read_timeout_s
-        self._on_outcome = on_outcome
-        self._lock = threading.Lock()
-        self._cond = threading.Condition(self._lock)
         self._endpoint = ConsumerEndpoint(config)
-        # None unless tracing is on (trace_dir or $RD2H_TRACE_DIR): see rd2h_runtime.trace.
-        self._tracer: Tracer | None = open_tracer(trace_dir, "decode", config.d_rank, config)
+        self._tracer = open_tracer(trace_dir, "decode", config.d_rank, config)
         self._outcomes: dict[str, Outcome] = {}
         self._releasable: set[str] = set()
-        self._errors: list[BaseException] = []
         self._reads: queue.SimpleQueue[StartRead | None] = queue.SimpleQueue()
         self._pending_reads = 0
         self._last_read: ReadRecord | None = None  # the read worker's own, no lock
         self.metrics = DecodeMetrics()
-        self._closed = False
         # peer -> (when its refused input was last logged, refusals held back since)
         self._refusals_logged: OrderedDict[bytes, tuple[float, int]] = OrderedDict()
         self._reader = threading.Thread(
@@ -210,15 +210,12 @@ class DecodeWorker:
             backend.register(
                 list(regions) if regions is not None else destination_regions(config.layers)
             )
-            self._server = DecodeControlServer(
+            self._control = DecodeControlServer(
                 host, port, handler=self._on_event, options=control_options
             )
-            self._server.start()
+            self._control.start()
         except BaseException:
-            if self._tracer is not None:
-                self._tracer.close()
-            if own_backend:
-                backend.close()
+            self._abandon()
             raise
         self._reader.start()
 
@@ -227,12 +224,12 @@ class DecodeWorker:
     @property
     def port(self) -> int:
         """The port the ROUTER is bound to."""
-        return self._server.port
+        return self._control.port
 
     @property
     def host(self) -> str:
         """The host the ROUTER is bound on."""
-        return self._server.host
+        return self._control.host
 
     def add_request(
         self, ext_req_id: str, main_block_ids: Sequence[int], indexer_block_ids: Sequence[int]
@@ -276,11 +273,8 @@ class DecodeWorker:
         """Wait until a released request's blocks may be freed; False on timeout."""
         deadline = time.monotonic() + timeout
         with self._cond:
-            while ext_req_id not in self._releasable:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._cond.wait(left)
+            if not self._wait_until(lambda: ext_req_id in self._releasable, deadline):
+                return False
             self._releasable.discard(ext_req_id)
             return True
 
@@ -288,11 +282,8 @@ class DecodeWorker:
         """The request's outcome on this rank, waiting up to ``timeout``; None on timeout."""
         deadline = time.monotonic() + timeout
         with self._cond:
-            while ext_req_id not in self._outcomes:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return None
-                self._cond.wait(left)
+            if not self._wait_until(lambda: ext_req_id in self._outcomes, deadline):
+                return None
             return self._outcomes[ext_req_id]
 
     def outcomes(self) -> dict[str, Outcome]:
@@ -303,31 +294,10 @@ class DecodeWorker:
     # -- views -----------------------------------------------------------------------------
 
     @property
-    def backend(self) -> TransferBackend:
-        """The transfer backend this rank registered its memory with."""
-        return self._backend
-
-    @property
     def stats(self) -> ConsumerStats:
         """A snapshot of the endpoint's counters."""
         with self._lock:
             return dataclasses.replace(self._endpoint.stats)
-
-    @property
-    def control_stats(self) -> ControlStats:
-        """A snapshot of the ROUTER's counters."""
-        return self._server.stats
-
-    @property
-    def errors(self) -> list[BaseException]:
-        """Exceptions caught on the I/O thread or the read worker (a bug if not empty)."""
-        with self._lock:
-            return list(self._errors)
-
-    def requests(self) -> dict[str, str]:
-        """``{ext_id: state}`` of every request the endpoint holds."""
-        with self._lock:
-            return self._endpoint.requests()
 
     def in_flight_reads(self) -> dict[int, tuple[str, ...]]:
         """Reads in flight and the requests whose blocks they write."""
@@ -347,8 +317,7 @@ class DecodeWorker:
     @property
     def healthy(self) -> bool:
         """The I/O thread and the read worker run and nothing raised on them."""
-        with self._lock:
-            return self._server.running and self._reader.is_alive() and not self._errors
+        return super().healthy and self._reader.is_alive()
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -358,62 +327,15 @@ class DecodeWorker:
         A read in progress is waited for (it is bounded by ``read_timeout_s``); queued
         plans are dropped.
         """
-        with self._cond:
-            if self._closed:
-                return
-            self._closed = True
-            self._cond.notify_all()
-        try:
-            self._server.close(_CLOSE_TIMEOUT_S)
-        finally:
-            self._reads.put(None)
-            self._reader.join(self._read_timeout_s + _CLOSE_TIMEOUT_S)
-            if self._tracer is not None:
-                self._tracer.close()
-            if self._own_backend:
-                self._backend.close()
+        super().close()
 
-    def __enter__(self) -> DecodeWorker:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
+    def _stop_threads(self) -> None:
+        self._reads.put(None)
+        self._reader.join(self._read_timeout_s + CLOSE_TIMEOUT_S)
 
     # -- internals -------------------------------------------------------------------------
 
-    def _call(
-        self,
-        fn: Callable[[float], list[Output]],
-        op: str = "",
-        args: dict[str, object] | None = None,
-    ) -> None:
-        with self._lock:
-            if self._closed:
-                raise ControlClosed("the Decode worker is closed")
-            reported = self._execute(self._traced(fn, time.monotonic(), op, args))
-        self._report(reported)
-
-    def _traced(
-        self,
-        fn: Callable[[float], list[Output]],
-        now: float,
-        op: str,
-        args: dict[str, object] | None,
-    ) -> list[Output]:
-        """``fn(now)``, recorded in the trace when tracing is on. Lock held."""
-        tracer = self._tracer
-        if tracer is None:
-            return fn(now)
-        try:
-            outputs = fn(now)
-        except Exception as exc:
-            tracer.call(op, now, args, None, exc)
-            raise
-        tracer.call(op, now, args, outputs)
-        return outputs
-
-    def _execute(self, outputs: list[Output]) -> list[Outcome]:
-        """Execute ``outputs`` in order (lock held), then re-arm the timer."""
+    def _apply(self, outputs: list[Output], sent: list[bytes] | None) -> tuple[list[Outcome], bool]:
         reported: list[Outcome] = []
         wake = False
         for out in outputs:
@@ -437,66 +359,28 @@ class DecodeWorker:
             # The endpoint reports each request once; keep the first in any case.
             self._outcomes.setdefault(outcome.ext_req_id, outcome)
             wake = True
-        if wake:
-            self._cond.notify_all()
-        with contextlib.suppress(ControlClosed):  # closing
-            self._server.set_timer(self._endpoint.get_timer())
-        return reported
+        return reported, wake
 
-    def _send(self, peer: bytes, payload: bytes) -> None:
-        try:
-            self._server.send(peer, payload)
-        except (QueueFull, ControlClosed) as exc:
-            # The reply is lost: Prefill's lease covers it.
-            self.metrics.send_failures += 1
-            log.warning("reply to %r dropped: %s", peer, exc)
-        else:
-            self.metrics.frames_sent += 1
-
-    def _report(self, reported: list[Outcome]) -> None:
-        callback = self._on_outcome
-        if callback is None:
-            return
-        for outcome in reported:
-            try:
-                callback(outcome)
-            except Exception:
-                log.exception("on_outcome callback raised for %s", outcome.ext_req_id)
-
-    def _on_event(self, event: ServerEvent) -> None:
+    def _handle(self, event: ServerEvent, now: float) -> list[Outcome]:
         """The ROUTER's I/O thread: frames, timers, delivery failures."""
         reported: list[Outcome] = []
-        try:
-            with self._lock:
-                if self._closed:
-                    return
-                now = time.monotonic()
-                if isinstance(event, PeerFrame):
-                    before = self._refusal_counts()
-                    outs = self._traced(
-                        lambda t: self._endpoint.receive(event.peer, event.payload, t),
-                        now,
-                        "receive",
-                        None
-                        if self._tracer is None
-                        else {"peer": event.peer, "frame": event.payload},
-                    )
-                    reported = self._execute(outs)
-                    self._log_refusals(event.peer, before, now)
-                elif isinstance(event, TimerDue):
-                    reported = self._execute(
-                        self._traced(self._endpoint.handle_timer, now, "handle_timer", None)
-                    )
-                elif isinstance(event, PeerSendFailed):
-                    self.metrics.send_failures += 1
-                elif isinstance(event, ConnectionEvent):
-                    pass  # Prefill's leases and re-handshakes deal with lost connections
-        except Exception as exc:
-            with self._lock:
-                self._errors.append(exc)
-                self.metrics.handler_errors += 1
-            log.exception("Decode worker: error while handling %r", type(event).__name__)
-        self._report(reported)
+        if isinstance(event, PeerFrame):
+            before = self._refusal_counts()
+            outs = self._traced(
+                lambda t: self._endpoint.receive(event.peer, event.payload, t),
+                now,
+                "receive",
+                None if self._tracer is None else {"peer": event.peer, "frame": event.payload},
+            )
+            reported = self._execute(outs)
+            self._log_refusals(event.peer, before, now)
+        elif isinstance(event, TimerDue):
+            reported = self._timer_due(now)
+        elif isinstance(event, PeerSendFailed):
+            self.metrics.send_failures += 1
+        elif isinstance(event, ConnectionEvent):
+            pass  # Prefill's leases and re-handshakes deal with lost connections
+        return reported
 
     def _refusal_counts(self) -> tuple[int, ...]:
         stats = self._endpoint.stats
@@ -553,10 +437,7 @@ class DecodeWorker:
                     )
                     reported = self._execute(outs)
             except Exception as exc:
-                with self._lock:
-                    self._errors.append(exc)
-                    self.metrics.handler_errors += 1
-                log.exception("Decode worker: error after read %d", item.plan.read_id)
+                self._caught(exc, "error after read %d", item.plan.read_id)
             self._report(reported)
 
     def _outlive(self, read_id: int) -> None:

@@ -23,16 +23,15 @@ output never blocks (the client queues frames), so the lock is held for microsec
 
 Lock order: this worker's lock, then the client's internal lock (``send``,
 ``set_timer``); the client never calls into the worker while holding its own lock, so the
-two cannot deadlock. Completion callbacks run outside the lock.
+two cannot deadlock. Completion callbacks run outside the lock. The lock, the calls, the
+trace and the lifecycle are :class:`~rd2h_runtime.worker.EndpointWorker`'s.
 """
 
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import logging
-import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -60,22 +59,19 @@ from rd2h_runtime.control import (
     ClientEvent,
     ConnectionEvent,
     ConnFrame,
-    ControlClosed,
     ControlError,
     ControlOptions,
-    ControlStats,
     PrefillControlClient,
-    QueueFull,
     TimerDue,
 )
-from rd2h_runtime.trace import Tracer, open_tracer
+from rd2h_runtime.trace import open_tracer
 from rd2h_runtime.transfer import TransferBackend
+from rd2h_runtime.worker import EndpointWorker
 
 __all__ = ["PrefillMetrics", "PrefillWorker", "layout_regions"]
 
 log = logging.getLogger("rd2h_runtime.prefill")
 
-_CLOSE_TIMEOUT_S: Final = 10.0
 #: How many readiness -> reply round trips a worker keeps for percentiles.
 ROUND_TRIP_SAMPLES: Final = 8192
 
@@ -114,7 +110,7 @@ class PrefillMetrics:
     handler_errors: int = 0  # exceptions caught on the I/O thread
 
 
-class PrefillWorker:
+class PrefillWorker(EndpointWorker[Output, RequestFinished, str, ClientEvent]):
     """One Prefill TP rank: a producer endpoint bound to DEALERs, a backend and a clock.
 
     ``config.session`` is replaced by ``backend.session_id`` (taken after registration,
@@ -141,6 +137,16 @@ class PrefillWorker:
     one carried (a loss, never a wrong byte).
     """
 
+    _ROLE = "Prefill"
+    _log = log
+    _CALLBACK = "on_finished"
+    # The frame is lost; the publication's lease expires and reopens its gates.
+    _DROPPED = "frame for %s dropped: %s"
+    _TRACE_SENT = True
+    _endpoint: ProducerEndpoint
+    _control: PrefillControlClient
+    metrics: PrefillMetrics
+
     def __init__(
         self,
         config: ProducerConfig,
@@ -154,21 +160,15 @@ class PrefillWorker:
         declare_dead_on_disconnect: bool = True,
         trace_dir: str | None = None,
     ) -> None:
-        self._backend = backend
+        super().__init__(backend, own_backend, on_finished)
         self._declare_dead = declare_dead_on_disconnect
-        self._own_backend = own_backend
         self._grace_s = (control_options or ControlOptions()).reconnect_grace_s
         # Decode endpoints whose connection broke -> when they count as lost (lock held).
         self._broken: dict[str, float] = {}
-        self._on_finished = on_finished
-        self._lock = threading.Lock()
-        self._cond = threading.Condition(self._lock)
         self._finished: dict[str, RequestFinished] = {}
-        self._errors: list[BaseException] = []
         self.metrics = PrefillMetrics()
         # Readiness -> reply times of the latest publications (seconds), for percentiles.
         self._round_trips: collections.deque[float] = collections.deque(maxlen=ROUND_TRIP_SAMPLES)
-        self._closed = False
         try:
             backend.register(
                 list(regions) if regions is not None else layout_regions(config.layers)
@@ -176,23 +176,17 @@ class PrefillWorker:
             self.config = dataclasses.replace(config, session=backend.session_id)
             self._endpoint = ProducerEndpoint(self.config)
             self._encoder = StepEncoder()  # under the lock, like the endpoint
-            # None unless tracing is on (trace_dir or $RD2H_TRACE_DIR): see rd2h_runtime.trace.
-            self._tracer: Tracer | None = open_tracer(
+            self._tracer = open_tracer(
                 trace_dir, "prefill", config.p_rank, self.config, name=name or ""
             )
-            self._trace_call: tuple[str, float, dict[str, object] | None] | None = None
-            self._client = PrefillControlClient(
+            self._control = PrefillControlClient(
                 handler=self._on_event,
                 options=control_options,
                 name=name or f"p{config.p_rank}",
             )
-            self._client.start()
+            self._control.start()
         except BaseException:
-            tracer = getattr(self, "_tracer", None)
-            if tracer is not None:
-                tracer.close()
-            if own_backend:
-                backend.close()
+            self._abandon()
             raise
 
     # -- compute path ----------------------------------------------------------------------
@@ -305,11 +299,8 @@ class PrefillWorker:
         """Wait for (and take) the request's :class:`RequestFinished`; None on timeout."""
         deadline = time.monotonic() + timeout
         with self._cond:
-            while ext_req_id not in self._finished:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return None
-                self._cond.wait(left)
+            if not self._wait_until(lambda: ext_req_id in self._finished, deadline):
+                return None
             return self._finished.pop(ext_req_id)
 
     def take_finished(self) -> list[RequestFinished]:
@@ -322,11 +313,6 @@ class PrefillWorker:
     # -- views -----------------------------------------------------------------------------
 
     @property
-    def backend(self) -> TransferBackend:
-        """The transfer backend this rank registered its memory with."""
-        return self._backend
-
-    @property
     def session(self) -> str:
         """The transfer session Decode reads this rank's memory through."""
         return self.config.session
@@ -337,31 +323,15 @@ class PrefillWorker:
         with self._lock:
             return dataclasses.replace(self._endpoint.stats)
 
-    @property
-    def control_stats(self) -> ControlStats:
-        """A snapshot of the control client's counters."""
-        return self._client.stats
-
     def round_trips(self) -> list[float]:
         """Readiness -> terminal reply times of the latest publications, in seconds."""
         with self._lock:
             return list(self._round_trips)
 
-    @property
-    def errors(self) -> list[BaseException]:
-        """Exceptions caught on the I/O thread (a bug if not empty)."""
-        with self._lock:
-            return list(self._errors)
-
     def gates(self) -> dict[int, tuple[str, int]]:
         """``{slot: (state, outstanding publications)}`` (see the endpoint)."""
         with self._lock:
             return self._endpoint.gates()
-
-    def requests(self) -> dict[str, str]:
-        """``{ext_id: state}`` of every request not finished yet."""
-        with self._lock:
-            return self._endpoint.requests()
 
     def publications(self) -> dict[int, PublicationView]:
         """Every publication still waiting for its reply."""
@@ -373,12 +343,6 @@ class PrefillWorker:
         with self._lock:
             return self._endpoint.is_idle()
 
-    @property
-    def healthy(self) -> bool:
-        """The I/O thread runs and nothing raised on it."""
-        with self._lock:
-            return self._client.running and not self._errors
-
     # -- lifecycle -------------------------------------------------------------------------
 
     def close(self) -> None:
@@ -386,65 +350,9 @@ class PrefillWorker:
 
         Waiters in :meth:`wait_writable` return False.
         """
-        with self._cond:
-            if self._closed:
-                return
-            self._closed = True
-            self._cond.notify_all()
-        try:
-            self._client.close(_CLOSE_TIMEOUT_S)
-        finally:
-            if self._tracer is not None:
-                self._tracer.close()
-            if self._own_backend:
-                self._backend.close()
-
-    def __enter__(self) -> PrefillWorker:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
+        super().close()
 
     # -- internals -------------------------------------------------------------------------
-
-    def _call(
-        self,
-        fn: Callable[[float], list[Output]],
-        op: str = "",
-        args: dict[str, object] | None = None,
-    ) -> None:
-        """Run one endpoint call and its outputs under the lock; report completions after.
-
-        ``op`` and ``args`` name the call for the trace (when tracing is on).
-        """
-        with self._lock:
-            if self._closed:
-                raise ControlClosed("the Prefill worker is closed")
-            finished = self._execute(self._traced(fn, time.monotonic(), op, args))
-        self._report(finished)
-
-    def _traced(
-        self,
-        fn: Callable[[float], list[Output]],
-        now: float,
-        op: str,
-        args: dict[str, object] | None,
-    ) -> list[Output]:
-        """``fn(now)``, recorded in the trace when tracing is on. Lock held.
-
-        The record is made by the :meth:`_execute` of these outputs, which follows at once
-        under the same lock (so that it holds the frames as sent, encoded once).
-        """
-        tracer = self._tracer
-        if tracer is None:
-            return fn(now)
-        try:
-            outputs = fn(now)
-        except Exception as exc:
-            tracer.call(op, now, args, None, exc)
-            raise
-        self._trace_call = (op, now, args)
-        return outputs
 
     def _can_overwrite(self, layer_idx: int) -> bool:
         """The endpoint's ``can_overwrite``. Lock held. Under the "raise" policy it raises a
@@ -458,11 +366,11 @@ class PrefillWorker:
             self._tracer.call("can_overwrite", now, {"layer_idx": layer_idx}, None, exc)
             raise
 
-    def _execute(self, outputs: list[Output]) -> list[RequestFinished]:
-        """Execute ``outputs`` in order (lock held), then re-arm the timer."""
+    def _apply(
+        self, outputs: list[Output], sent: list[bytes] | None
+    ) -> tuple[list[RequestFinished], bool]:
         finished: list[RequestFinished] = []
         wake = False
-        sent: list[bytes] | None = None if self._tracer is None else []
         for out in outputs:
             if isinstance(out, Send):
                 payload = self._encoder.encode(out.msg)
@@ -478,7 +386,7 @@ class PrefillWorker:
             elif isinstance(out, Disconnect):
                 # The endpoint declared a silent peer dead: a fresh DEALER next time.
                 self._broken.pop(out.conn, None)
-                self._client.disconnect(out.conn)
+                self._control.disconnect(out.conn)
                 log.warning(
                     "Decode endpoint %s: nothing heard for %.1f s while it held storage; "
                     "declaring it dead",
@@ -487,36 +395,18 @@ class PrefillWorker:
                 )
             elif isinstance(out, Connect):
                 try:
-                    self._client.connect(out.conn)
+                    self._control.connect(out.conn)
                 except ControlError as exc:
                     # Frames for it fail in send() too; its leases expire and free the gates.
                     self.metrics.send_failures += 1
                     log.warning("cannot open the DEALER to %s: %s", out.conn, exc)
             else:  # pragma: no cover - the endpoint has no other output
                 raise LocalProtocolError(f"unexpected endpoint output {out!r}")
-        if finished and self._on_finished is None:
+        if finished and self._on_report is None:
             for f in finished:
                 self._finished[f.ext_req_id] = f
             wake = True
-        if wake:
-            self._cond.notify_all()
-        with contextlib.suppress(ControlClosed):  # closing: no timer can matter any more
-            self._client.set_timer(self._next_timer())
-        if sent is not None and self._trace_call is not None and self._tracer is not None:
-            op, now, args = self._trace_call
-            self._trace_call = None
-            self._tracer.call(op, now, args, outputs, payloads=sent)
-        return finished if self._on_finished is not None else []
-
-    def _send(self, conn: str, payload: bytes) -> None:
-        try:
-            self._client.send(conn, payload)
-        except (QueueFull, ControlClosed) as exc:
-            # The frame is lost; the publication's lease expires and reopens its gates.
-            self.metrics.send_failures += 1
-            log.warning("frame for %s dropped: %s", conn, exc)
-        else:
-            self.metrics.frames_sent += 1
+        return (finished if self._on_report is not None else []), wake
 
     def _next_timer(self) -> float | None:
         """The endpoint's next deadline or the end of a reconnect grace, the earlier."""
@@ -565,7 +455,7 @@ class PrefillWorker:
                 self._grace_s,
             )
             self._broken[conn] = now + self._grace_s
-            self._client.set_timer(self._next_timer())
+            self._control.set_timer(self._next_timer())
         return []
 
     def _grace_over(self, now: float) -> list[RequestFinished]:
@@ -589,7 +479,7 @@ class PrefillWorker:
         if conn not in self._endpoint.connections():
             return []
         log.warning("Decode endpoint %s: connection %s, declaring it lost", conn, reason)
-        self._client.disconnect(conn)
+        self._control.disconnect(conn)
         return self._execute(
             self._traced(
                 lambda t: self._endpoint.connection_lost(conn, t),
@@ -599,46 +489,21 @@ class PrefillWorker:
             )
         )
 
-    def _report(self, finished: list[RequestFinished]) -> None:
-        callback = self._on_finished
-        if callback is None:
-            return
-        for f in finished:
-            try:
-                callback(f)
-            except Exception:
-                log.exception("on_finished callback raised for %s", f.ext_req_id)
-
-    def _on_event(self, event: ClientEvent) -> None:
+    def _handle(self, event: ClientEvent, now: float) -> list[RequestFinished]:
         """The client's I/O thread: frames from Decode, timers, connection events."""
         finished: list[RequestFinished] = []
-        try:
-            with self._lock:
-                if self._closed:
-                    return
-                now = time.monotonic()
-                if isinstance(event, ConnFrame):
-                    finished = self._execute(
-                        self._traced(
-                            lambda t: self._endpoint.receive(event.conn, event.payload, t),
-                            now,
-                            "receive",
-                            None
-                            if self._tracer is None
-                            else {"conn": event.conn, "frame": event.payload},
-                        )
-                    )
-                elif isinstance(event, TimerDue):
-                    finished = self._grace_over(now)
-                    finished += self._execute(
-                        self._traced(self._endpoint.handle_timer, now, "handle_timer", None)
-                    )
-                elif isinstance(event, ConnectionEvent):
-                    finished = self._connection_event(event, now)
-        except Exception as exc:
-            # Never let a bug kill the thread that carries every reply; keep it visible.
-            with self._lock:
-                self._errors.append(exc)
-                self.metrics.handler_errors += 1
-            log.exception("Prefill worker: error while handling %r", type(event).__name__)
-        self._report(finished)
+        if isinstance(event, ConnFrame):
+            finished = self._execute(
+                self._traced(
+                    lambda t: self._endpoint.receive(event.conn, event.payload, t),
+                    now,
+                    "receive",
+                    None if self._tracer is None else {"conn": event.conn, "frame": event.payload},
+                )
+            )
+        elif isinstance(event, TimerDue):
+            finished = self._grace_over(now)
+            finished += self._timer_due(now)
+        elif isinstance(event, ConnectionEvent):
+            finished = self._connection_event(event, now)
+        return finished

@@ -26,7 +26,7 @@ part number. Records (``"k"``):
   ``ok``, ``err``.
 - ``drop``: records lost because the writer fell behind (``count``).
 
-``rd2h trace`` (:mod:`rd2h_runtime.timeline`) merges traces into a timeline and replays
+``rd2h trace`` (:mod:`rd2h_runtime.tools.timeline`) merges traces into a timeline and replays
 them (``rd2h trace check``).
 """
 
@@ -104,7 +104,7 @@ def frame_summary(payload: bytes, *, fields: bool = True) -> dict[str, Any]:
     """Size, CRC-32 and (``fields``, when it decodes) the message fields of one frame.
 
     The writer records size and CRC only (decoding a 64-request readiness costs more than
-    a millisecond); :mod:`rd2h_runtime.timeline` adds the fields when it reads a trace.
+    a millisecond); :mod:`rd2h_runtime.tools.timeline` adds the fields when it reads a trace.
     """
     out: dict[str, Any] = {"n": len(payload), "crc": zlib.crc32(payload)}
     if not fields:

@@ -1,5 +1,7 @@
 """The aiohttp P/D proxy: Decode first, rendezvous on /v1/metaserver, Prefill once.
 
+Over 600 lines: one ProxyServer whose request flow, below, reads as a whole.
+
 Flow of one client request (the *parent*)
 -----------------------------------------
 1. ``POST /v1/completions`` or ``/v1/chat/completions`` arrives. Its X-Request-Id (or a

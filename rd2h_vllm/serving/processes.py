@@ -402,7 +402,7 @@ class ProxyProcess(ManagedProcess):
         cmd = [
             sys.executable,
             "-m",
-            "rd2h_runtime.cli",
+            "rd2h_runtime.tools.cli",
             "proxy",
             "--host",
             HOST,

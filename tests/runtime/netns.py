@@ -8,7 +8,7 @@ so concurrent runs and repeated tests never share one. :class:`TwoHosts` cuts an
 the link (``ip link set ... down/up``) and rate-limits it (``tc qdisc ... tbf``).
 
 Engines enter a namespace through ``DecodeSpec.netns`` / ``PrefillSpec.netns``
-(:func:`rd2h_runtime.engines.enter_netns`); commands run in one through
+(:func:`rd2h_runtime.tools.engines.enter_netns`); commands run in one through
 :meth:`TwoHosts.command` (``ip netns exec``).
 
 Creating namespaces needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN) and iproute2. Where that

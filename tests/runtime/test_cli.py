@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import shutil
 import subprocess
 import sys
@@ -9,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from rd2h_runtime import bench, cli
+from rd2h_runtime.tools import bench, cli
 
 ROOT = Path(__file__).resolve().parents[2]
+ENTRY_POINT = "rd2h_runtime.tools.cli:main"
 
 
 def test_help_lists_every_subcommand(capsys: pytest.CaptureFixture[str]) -> None:
@@ -55,9 +57,23 @@ def test_bench_runs_the_named_scripts_and_reports_failures(
     assert "1 ok, 1 failed: bad" in out
 
 
+def test_pyproject_declares_the_entry_point_that_exists() -> None:
+    assert f'rd2h = "{ENTRY_POINT}"' in (ROOT / "pyproject.toml").read_text()
+    assert importlib.metadata.EntryPoint("rd2h", ENTRY_POINT, "console_scripts").load() is cli.main
+
+
 def test_console_script_is_installed() -> None:
+    # An `rd2h` installed from another checkout may name another module path; then the
+    # same entry point runs as `python -m`.
     exe = shutil.which("rd2h")
-    command = [exe] if exe else [sys.executable, "-m", "rd2h_runtime.cli"]
+    installed = [
+        e.value for e in importlib.metadata.entry_points(group="console_scripts", name="rd2h")
+    ]
+    command = (
+        [exe]
+        if exe and installed == [ENTRY_POINT]
+        else [sys.executable, "-m", "rd2h_runtime.tools.cli"]
+    )
     proc = subprocess.run(
         [*command, "--help"], capture_output=True, text=True, timeout=60, check=False, cwd=ROOT
     )

@@ -9,13 +9,13 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from rd2h_runtime.engines import (
+from rd2h_runtime.tools.engines import (
     DecodeEngine,
     DecodeSpec,
     PrefillEngine,
     PrefillSpec,
 )
-from rd2h_runtime.synthetic import (
+from rd2h_runtime.tools.synthetic import (
     ChunkStep,
     RequestSpec,
     SyntheticModel,

@@ -17,7 +17,9 @@ from rd2h_protocol.plan import ReadPlan
 from rd2h_protocol.producer import DecodeTarget, ProducerConfig
 from rd2h_runtime.control import BindError, ControlClosed
 from rd2h_runtime.decode import DecodeWorker
-from rd2h_runtime.engines import (
+from rd2h_runtime.planning import Descriptors, build_descriptors
+from rd2h_runtime.prefill import PrefillWorker
+from rd2h_runtime.tools.engines import (
     FAST_CONTROL,
     HOST,
     DecodeEngine,
@@ -26,9 +28,7 @@ from rd2h_runtime.engines import (
     PrefillEngine,
     PrefillSpec,
 )
-from rd2h_runtime.planning import Descriptors, build_descriptors
-from rd2h_runtime.prefill import PrefillWorker
-from rd2h_runtime.synthetic import (
+from rd2h_runtime.tools.synthetic import (
     BlockAllocator,
     DecodeDestinations,
     PrefillCache,

@@ -35,7 +35,7 @@ from typing import Any
 
 import pytest
 
-from rd2h_runtime.engines import (
+from rd2h_runtime.tools.engines import (
     FAST_CONTROL,
     DecodeResult,
     DecodeSpec,
@@ -43,7 +43,7 @@ from rd2h_runtime.engines import (
     PrefillSpec,
     engine_process,
 )
-from rd2h_runtime.synthetic import RequestSpec, SyntheticModel
+from rd2h_runtime.tools.synthetic import RequestSpec, SyntheticModel
 from tests.runtime import netns
 from tests.runtime.e2e_harness import all_gates_open, assert_clean, wait_until
 from tests.runtime.netns import TwoHosts, leftovers, two_hosts
@@ -325,7 +325,7 @@ def test_check_read_across_namespaces(backend: str, hosts: TwoHosts) -> None:
     env.setdefault("UCX_MODULES", "^ib")
 
     def check_read(ns: str, dev: str, *args: str) -> subprocess.Popen[str]:
-        argv = [sys.executable, "-m", "rd2h_runtime.cli", "check-read", "--backend", backend,
+        argv = [sys.executable, "-m", "rd2h_runtime.tools.cli", "check-read", "--backend", backend,
                 "--size", str(size), "--timeout", "40", *args]  # fmt: skip
         return subprocess.Popen(
             hosts.command(ns, argv),

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from rd2h_runtime import demo
+from rd2h_runtime.tools import demo
 from rd2h_vllm.serving.client import completion_body, parse_metrics
 from rd2h_vllm.serving.model import build_model, make_prompts
 from rd2h_vllm.serving.processes import ServerSpec, kv_transfer_config, server_command
@@ -93,6 +93,9 @@ def test_demo_vllm_is_delegated(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_rd2h_runtime_does_not_import_rd2h_vllm() -> None:
-    code = "import sys, rd2h_runtime.demo, rd2h_runtime.cli; print('rd2h_vllm' in sys.modules)"
+    code = (
+        "import sys, rd2h_runtime.tools.demo, rd2h_runtime.tools.cli; "
+        "print('rd2h_vllm' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rd2h_protocol.errors import ProtocolError
-from rd2h_runtime.engines import DecodeResult, DecodeSpec, EngineProcess, PrefillSpec
-from rd2h_runtime.synthetic import RequestSpec, SyntheticModel, chunk_steps
+from rd2h_runtime.tools.engines import DecodeResult, DecodeSpec, EngineProcess, PrefillSpec
+from rd2h_runtime.tools.synthetic import RequestSpec, SyntheticModel, chunk_steps
 
 BACKENDS = ("nixl", "mooncake", "memfabric")
 MIB = 1 << 20

@@ -1,5 +1,7 @@
 """Two-endpoint read check of a transfer backend (``rd2h check-read``).
 
+Over 600 lines: both sides, the driver and the test source share one REP-socket exchange.
+
 Proves, independently of vLLM and of the control protocol, that one backend can move real
 bytes from a Prefill process to a Decode process on the hosts at hand:
 
@@ -446,7 +448,7 @@ def _child_args(
     timeout_s: float, options: dict[str, Any] | None,
 ) -> list[str]:  # fmt: skip
     args = [
-        sys.executable, "-m", "rd2h_runtime.check_read", "--backend", backend,
+        sys.executable, "-m", "rd2h_runtime.tools.check_read", "--backend", backend,
         "--role", role, "--host", host, "--port", str(port), "--size", str(size),
         "--chunk", str(chunk), "--seed", str(seed), "--timeout", str(timeout_s),
     ]  # fmt: skip

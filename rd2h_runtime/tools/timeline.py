@@ -1,5 +1,7 @@
 """``rd2h trace``: merge protocol traces into a timeline; ``rd2h trace check``: replay them.
 
+Over 600 lines: one pipeline (load, link, offsets, timeline, summary, PNG), stage by stage.
+
 ``rd2h trace FILES_OR_DIRS... [-o timeline.json]`` reads the NDJSON traces of every rank
 of both roles (:mod:`rd2h_runtime.trace`), puts them on one clock, writes Chrome
 trace-event JSON (open it in https://ui.perfetto.dev or chrome://tracing) with one process
@@ -608,7 +610,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args_in = list(sys.argv[1:] if argv is None else argv)
     if args_in and args_in[0] == "check":
-        from rd2h_runtime.trace_check import main as check_main
+        from rd2h_runtime.tools.trace_check import main as check_main
 
         return check_main(args_in[1:])
     args = build_parser().parse_args(args_in)

@@ -13,13 +13,19 @@ from collections.abc import Sequence
 
 # name -> (module exposing main(argv), one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "demo": ("rd2h_runtime.demo", "end-to-end Prefill/Decode transfer on this machine"),
-    "check-read": ("rd2h_runtime.check_read", "two-endpoint read check of a transfer backend"),
-    "bench": ("rd2h_runtime.bench", "run the benchmarks in benchmarks/ and print their ratios"),
+    "demo": ("rd2h_runtime.tools.demo", "end-to-end Prefill/Decode transfer on this machine"),
+    "check-read": (
+        "rd2h_runtime.tools.check_read",
+        "two-endpoint read check of a transfer backend",
+    ),
+    "bench": (
+        "rd2h_runtime.tools.bench",
+        "run the benchmarks in benchmarks/ and print their ratios",
+    ),
     "spec": ("rd2h_protocol.spec", "regenerate (or --check) the protocol reference in specs/"),
     "proxy": ("rd2h_runtime.proxy", "OpenAI-compatible Prefill/Decode proxy with metaserver"),
     "trace": (
-        "rd2h_runtime.timeline",
+        "rd2h_runtime.tools.timeline",
         "merge protocol traces into a timeline ('rd2h trace check': replay them)",
     ),
 }

@@ -30,7 +30,7 @@ from rd2h_protocol.errors import ErrorCode, TransferError
 from rd2h_protocol.events import Chunk
 from rd2h_protocol.invariants import InvariantViolation, check_storage_gates
 from rd2h_protocol.producer import DecodeTarget, ProducerConfig, ProducerEndpoint
-from rd2h_runtime.timeline import Stream, load_streams
+from rd2h_runtime.tools.timeline import Stream, load_streams
 from rd2h_runtime.trace import summarize_output
 
 __all__ = ["ReplayResult", "main", "replay"]

@@ -17,7 +17,7 @@ from pathlib import Path
 
 def default_dir() -> Path:
     """``benchmarks/`` of the source checkout this package runs from, else of the cwd."""
-    beside = Path(__file__).resolve().parent.parent / "benchmarks"
+    beside = Path(__file__).resolve().parents[2] / "benchmarks"
     return beside if beside.is_dir() else Path.cwd() / "benchmarks"
 
 

@@ -1,5 +1,7 @@
 """Synthetic Prefill and Decode engines: every TP rank of one role, in this process or a child.
 
+Over 600 lines: both roles' engines and the child runner share one spec and pipe protocol.
+
 An *engine* is what one vLLM instance would be: all TP ranks of one role, each rank a
 :class:`~rd2h_runtime.prefill.PrefillWorker` or :class:`~rd2h_runtime.decode.DecodeWorker`
 with its own transfer backend and its own sockets (the ranks of one engine share a process,
@@ -12,7 +14,7 @@ network namespace of its own (``netns``, see :func:`enter_netns`), so that two e
 one machine talk over a real link as two hosts would.
 
 Decode verifies every destination byte against the pattern Prefill wrote
-(:meth:`~rd2h_runtime.synthetic.DecodeDestinations.verify`). ``rd2h demo`` and the
+(:meth:`~rd2h_runtime.tools.synthetic.DecodeDestinations.verify`). ``rd2h demo`` and the
 end-to-end tests drive these engines. The fault knobs of the specs (a Decode read delay, a
 Decode that SIGKILLs itself when a given read starts, a Prefill that SIGKILLs itself after
 publishing a given layer, a layout mismatch, a compute path that writes before its gate
@@ -46,7 +48,7 @@ from rd2h_protocol.producer import DecodeTarget, ProducerConfig, RequestFinished
 from rd2h_runtime.control import BindError, ControlOptions
 from rd2h_runtime.decode import DecodeWorker, Outcome
 from rd2h_runtime.prefill import PrefillWorker
-from rd2h_runtime.synthetic import (
+from rd2h_runtime.tools.synthetic import (
     BlockAllocator,
     DecodeDestinations,
     Mismatch,
