@@ -1,4 +1,4 @@
-"""Every invariant of rd2h_protocol.invariants, checked by calling its check directly: once
+"""Every invariant of rd2h_protocol.checker.invariants, checked by calling its check directly: once
 on a small state where it holds, once on the same state broken by hand."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ from collections.abc import Callable
 
 import pytest
 
-from rd2h_protocol.explore import RequestSpec, World, WorldConfig
-from rd2h_protocol.invariants import (
+from rd2h_protocol.checker.explore import RequestSpec, World, WorldConfig
+from rd2h_protocol.checker.invariants import (
     INVARIANTS,
     InvariantViolation,
     check_done_on_rank,

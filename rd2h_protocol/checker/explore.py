@@ -41,13 +41,13 @@ invariants after every step. :meth:`World.settle` runs a fair scheduler (deliver
 everything, finish every read, fire every timer, let time pass) until nothing is left;
 :meth:`World.check_quiescent` then checks L1 and, after :meth:`World.release_all`,
 :meth:`World.check_idle` checks B1. The invariants are those of
-:mod:`rd2h_protocol.invariants`; a breach raises :class:`InvariantViolation` naming one.
+:mod:`rd2h_protocol.checker.invariants`; a breach raises :class:`InvariantViolation` naming one.
 
 Subclasses can replace the network (:meth:`World.transmit`, :meth:`World.deliverable`) and
 the executor of read plans (:meth:`World.execute_read`) with real transports;
-:mod:`rd2h_protocol.testing` drives the world with hypothesis.
+:mod:`rd2h_protocol.checker.stateful` drives the world with hypothesis.
 
-The explorer (``python -m rd2h_protocol.explore``) runs a breadth-first search over every
+The explorer (``python -m rd2h_protocol.checker.explore``) runs a breadth-first search over every
 interleaving of the enabled actions of small configurations (``CONFIGS``), with a budget
 for each fault (dropped replies, aborts, early releases, read failures, kills). A state is
 a pickle of the world (the endpoints are plain objects, shared configuration left out);
@@ -62,7 +62,7 @@ enabled action must satisfy L1 and B1 (no deadlock, nothing left behind).
 Peers and expected violations: a configuration may model a v1 Prefill, a Decode with a
 subset of the capabilities (none at all models a v1 Decode) and ``v1_lease_expiry``
 (see :class:`WorldConfig`). Where an invariant does not hold by design (the
-``does_not_hold`` of :mod:`rd2h_protocol.invariants`), the configuration names it in
+``does_not_hold`` of :mod:`rd2h_protocol.checker.invariants`), the configuration names it in
 ``expect``: the explorer records the first violation of each expected invariant with a
 shortest trace, does not expand that state, and goes on; the configuration passes only
 if it finds exactly its expected set (an exploration cut by ``--max-states`` may not find
@@ -131,6 +131,16 @@ import rd2h_protocol.completion as completion_module
 import rd2h_protocol.consumer as consumer_module
 import rd2h_protocol.plan as plan_module
 import rd2h_protocol.producer as producer_module
+from rd2h_protocol.checker.invariants import (
+    InvariantViolation,
+    check_done_on_rank,
+    check_idle,
+    check_quiescent,
+    check_read_may_start,
+    check_release,
+    check_single_outcome,
+    check_storage_gates,
+)
 from rd2h_protocol.codec import decode, encode
 from rd2h_protocol.completion import CompletionStats, CrossRankCompletion, RankReport
 from rd2h_protocol.consumer import (
@@ -146,16 +156,6 @@ from rd2h_protocol.consumer import (
 )
 from rd2h_protocol.consumer import Output as ConsumerOutput
 from rd2h_protocol.errors import ErrorCode, TransferError
-from rd2h_protocol.invariants import (
-    InvariantViolation,
-    check_done_on_rank,
-    check_idle,
-    check_quiescent,
-    check_read_may_start,
-    check_release,
-    check_single_outcome,
-    check_storage_gates,
-)
 from rd2h_protocol.layout import ComponentDest, DestinationLayout, LayerLayout
 from rd2h_protocol.messages import (
     ALL_CAPABILITIES,
@@ -254,7 +254,7 @@ class WorldConfig:
     ``read_fail``, ``kill`` an endpoint, ``break`` a connection (everything in flight on
     it is lost both ways and it comes back: see :meth:`World.break_connection`), and
     ``lose`` a readiness: a fault beyond what the protocol claims to survive, for
-    experiments); :mod:`rd2h_protocol.testing` ignores it. ``tick`` (explorer): time moves
+    experiments); :mod:`rd2h_protocol.checker.stateful` ignores it. ``tick`` (explorer): time moves
     in steps of this many seconds, and only once every due timer fired; use a power of two
     so that time arithmetic stays exact and states that differ only by a shift of time merge.
     ``auto_release``: Decode releases a request the moment it finished on every rank (a
@@ -1557,7 +1557,7 @@ _Canon: TypeAlias = object
 # Attributes left out of the canonical form, by class (module.qualname): configuration,
 # derived caches, counters and labels that never change what happens next.
 _SKIP: Final[dict[str, frozenset[str]]] = {
-    "rd2h_protocol.explore.World": frozenset(
+    "rd2h_protocol.checker.explore.World": frozenset(
         {
             "cfg",
             "static",
@@ -1615,7 +1615,7 @@ _SKIP: Final[dict[str, frozenset[str]]] = {
     # The reply memory is written by _canon_world, only where it can still be asked.
     "rd2h_protocol.consumer._Session": frozenset({"validated", "remembered", "remembered_bytes"}),
     # A request's spec and block ids never change; its key says which request it is.
-    "rd2h_protocol.explore._Req": frozenset({"spec", "pmain", "pidx", "dmain", "didx"}),
+    "rd2h_protocol.checker.explore._Req": frozenset({"spec", "pmain", "pidx", "dmain", "didx"}),
     "rd2h_protocol.completion.ContributorSet": frozenset({"duplicates"}),
     "rd2h_protocol.completion.CrossRankCompletion": frozenset(
         {"stats", "world_size", "max_unmapped", "unmapped_timeout_s", "collect_timeout_s"}
@@ -2003,7 +2003,7 @@ def _without(*capabilities: str) -> tuple[str, ...]:
     return tuple(c for c in ALL_CAPABILITIES if c not in capabilities)
 
 
-#: The configurations ``python -m rd2h_protocol.explore`` checks, by name.
+#: The configurations ``python -m rd2h_protocol.checker.explore`` checks, by name.
 CONFIGS: Final[dict[str, WorldConfig]] = {
     # 2 Prefill ranks -> 1 Decode rank (ratio 2): both contributors must report.
     "tp2-d1": replace(_EXPLORED, requests=_two_requests((0, 0))),
@@ -2041,7 +2041,7 @@ CONFIGS: Final[dict[str, WorldConfig]] = {
     ),
     # A v1 Prefill (no seq, no lease, no ABORT) toward rd2h's Decode. A lost readiness
     # is invisible to Decode (S2) and, never answered, holds its storage (L1): both are
-    # stated in rd2h_protocol.invariants as where those invariants do not hold.
+    # stated in rd2h_protocol.checker.invariants as where those invariants do not hold.
     "v1-prefill": replace(_PEERS, prefill_protocol="v1", expect=("S2", "L1")),
     # A Decode that answers like v1 (no capability): Prefill speaks the v1 shapes to it,
     # with the same two limits.
@@ -2277,14 +2277,14 @@ def _report_reduction(reduced: ExploreResult, plain: ExploreResult) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m rd2h_protocol.explore [--config NAME ...] [--max-states N] [--jobs N]``.
+    """``python -m rd2h_protocol.checker.explore [--config NAME ...] [--max-states N] [--jobs N]``.
 
     Configurations run in parallel processes (``--jobs``); results print in order.
     """
     parser = argparse.ArgumentParser(
-        prog="python -m rd2h_protocol.explore",
+        prog="python -m rd2h_protocol.checker.explore",
         description="Explore every interleaving of small RD2H configurations and check the "
-        "invariants (rd2h_protocol.invariants) in every state.",
+        "invariants (rd2h_protocol.checker.invariants) in every state.",
     )
     parser.add_argument(
         "--config",
@@ -2371,6 +2371,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     # Run the imported module, not this __main__ copy: snapshots name classes by module.
-    from rd2h_protocol.explore import main as _main
+    from rd2h_protocol.checker.explore import main as _main
 
     sys.exit(_main())
