@@ -7,7 +7,6 @@ from collections.abc import Callable
 
 import pytest
 
-from rd2h_protocol.checker.explore import RequestSpec, World, WorldConfig
 from rd2h_protocol.checker.invariants import (
     INVARIANTS,
     InvariantViolation,
@@ -19,6 +18,8 @@ from rd2h_protocol.checker.invariants import (
     check_single_outcome,
     check_storage_gates,
 )
+from rd2h_protocol.checker.model import RequestSpec, WorldConfig
+from rd2h_protocol.checker.world import World
 from rd2h_protocol.producer_machines import GATE_OPEN
 
 SMALL = WorldConfig(p_tp=1, engines=(1,), n_layers=2, n_storages=1)
