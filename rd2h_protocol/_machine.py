@@ -8,8 +8,9 @@ that declaration we derive
 * :attr:`MachineSpec.table`: a plain ``{(state, input): (effect, next_state)}`` dict that
   the endpoints use on the hot path (a dict lookup costs ~0.2 us, a ``transitions``
   Machine ~8 us per transition), and
-* :meth:`MachineSpec.build_machine`: a ``transitions.Machine`` for tests and the docs
-  generator.
+* :meth:`MachineSpec.build_machine`: a ``transitions.Machine`` for tests and benchmarks
+  (``transitions`` comes with the ``rd2h[machines]`` extra; the protocol itself never
+  imports it).
 
 Inputs are named ``SEND_*`` / ``RECV_*`` / ``LOCAL_*`` / ``TIMER_*``. Guards are resolved by
 the caller before the lookup (an input such as ``RECV_LAST_REPLY`` already says the guard

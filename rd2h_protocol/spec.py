@@ -31,8 +31,8 @@ import msgspec.inspect as mi
 import rd2h_protocol
 import rd2h_protocol.events
 from rd2h_protocol._machine import NO_EFFECT, MachineSpec
-from rd2h_protocol.explore import CONFIGS
-from rd2h_protocol.invariants import INVARIANTS
+from rd2h_protocol.checker.configs import CONFIGS
+from rd2h_protocol.checker.invariants import INVARIANTS
 from rd2h_protocol.messages import (
     MESSAGE_TYPES,
     PROTOCOL_VERSION,
@@ -188,8 +188,8 @@ def render_invariants() -> str:
     out = [HEADER, "# Invariants\n\n"]
     out.append(
         "Checked after every step by the hypothesis state machine "
-        "(`rd2h_protocol.testing`) and over all interleavings of small configurations by "
-        "`python -m rd2h_protocol.explore`.\n\n"
+        "(`rd2h_protocol.checker.stateful`) and over all interleavings of small "
+        "configurations by `python -m rd2h_protocol.checker`.\n\n"
     )
     for inv in INVARIANTS:
         out.append(f"- **{inv.name}** ({inv.kind}): {inv.statement}\n")

@@ -50,7 +50,7 @@ export UCX_MODULES="${UCX_MODULES:-^ib}"
 # cores shared with other jobs.
 # Only for the whole suite, not for a selection.
 if [ $# -eq 0 ]; then
-    "$PYTHON" -m rd2h_protocol.explore
+    "$PYTHON" -m rd2h_protocol.checker
 fi
 
 # pytest exits 5 when it collected no test: never pass that on. The whole suite collecting

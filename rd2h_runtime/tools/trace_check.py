@@ -10,7 +10,7 @@ the recorded ones. It reports the first divergence, and on the way checks that
   the order they ran; a record out of place shows here or as a divergence),
 - no ``layer_written`` goes into a storage whose gate is not open (Prefill), and the
   storage-gate invariant S1 holds after every call
-  (:func:`~rd2h_protocol.invariants.check_storage_gates`).
+  (:func:`~rd2h_protocol.checker.invariants.check_storage_gates`).
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ from typing import Any
 
 import msgspec
 
+from rd2h_protocol.checker.invariants import InvariantViolation, check_storage_gates
 from rd2h_protocol.consumer import ConsumerConfig, ConsumerEndpoint
 from rd2h_protocol.errors import ErrorCode, TransferError
 from rd2h_protocol.events import Chunk
-from rd2h_protocol.invariants import InvariantViolation, check_storage_gates
 from rd2h_protocol.producer import DecodeTarget, ProducerConfig, ProducerEndpoint
 from rd2h_runtime.tools.timeline import Stream, load_streams
 from rd2h_runtime.trace import summarize_output

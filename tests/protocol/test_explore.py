@@ -1,5 +1,5 @@
-"""The exhaustive explorer (rd2h_protocol.explore): its configurations pass, its output
-ends with ``violations=0``, a planted bug is found with a shortest trace, and the endpoint
+"""The exhaustive explorer (python -m rd2h_protocol.checker): its configurations pass, its
+output ends with ``violations=0``, a planted bug is found with a shortest trace, and the endpoint
 bugs it found stay fixed (each pinned by a direct test of the endpoint).
 """
 
@@ -15,6 +15,13 @@ import pytest
 
 from rd2h_protocol import producer as producer_module
 from rd2h_protocol._machine import TransitionDecl
+from rd2h_protocol.checker.canonical import fingerprint
+from rd2h_protocol.checker.cli import main
+from rd2h_protocol.checker.configs import CONFIGS
+from rd2h_protocol.checker.explore import explore
+from rd2h_protocol.checker.invariants import INVARIANTS, InvariantViolation
+from rd2h_protocol.checker.model import RequestSpec, WorldConfig
+from rd2h_protocol.checker.world import World
 from rd2h_protocol.codec import encode
 from rd2h_protocol.completion import CONTRIB_COMPLETE, EFFECT_COMPLETE, ContributorSet
 from rd2h_protocol.consumer import (
@@ -27,17 +34,6 @@ from rd2h_protocol.consumer import (
     StartRead,
 )
 from rd2h_protocol.errors import ErrorCode, TransferError
-from rd2h_protocol.explore import (
-    CONFIGS,
-    InvariantViolation,
-    RequestSpec,
-    World,
-    WorldConfig,
-    explore,
-    fingerprint,
-    main,
-)
-from rd2h_protocol.invariants import INVARIANTS
 from rd2h_protocol.layout import (
     ComponentDest,
     DestinationLayout,
@@ -178,7 +174,7 @@ TEST_STATES = 2000
 def test_command_explores_every_configuration_without_violation() -> None:
     """What CI's exploration step runs, bounded by a number of states per configuration."""
     proc = subprocess.run(
-        [sys.executable, "-m", "rd2h_protocol.explore", "--max-states", str(TEST_STATES)],
+        [sys.executable, "-m", "rd2h_protocol.checker", "--max-states", str(TEST_STATES)],
         capture_output=True,
         text=True,
         timeout=600,
@@ -291,7 +287,7 @@ def test_an_unexpected_violation_stops_the_exploration() -> None:
 
 
 def test_every_expected_violation_is_stated_by_the_invariants() -> None:
-    """A configuration may expect a break only where rd2h_protocol.invariants says the
+    """A configuration may expect a break only where rd2h_protocol.checker.invariants says the
     invariant does not hold (and so specs/invariants.md lists it)."""
     stated = {inv.name for inv in INVARIANTS if inv.does_not_hold}
     for name, cfg in CONFIGS.items():
@@ -339,7 +335,7 @@ def test_command_exits_1_and_prints_the_trace_of_a_planted_bug() -> None:
     code = (
         "import sys, pytest\n"
         "from test_explore import plant_early_gate\n"
-        "from rd2h_protocol.explore import main\n"
+        "from rd2h_protocol.checker.cli import main\n"
         "with pytest.MonkeyPatch.context() as mp:\n"
         "    plant_early_gate(mp)\n"
         "    sys.exit(main(['--config', 'two-engines']))\n"

@@ -1,4 +1,4 @@
-"""Every invariant of rd2h_protocol.invariants, checked by calling its check directly: once
+"""Every invariant of rd2h_protocol.checker.invariants, checked by calling its check directly: once
 on a small state where it holds, once on the same state broken by hand."""
 
 from __future__ import annotations
@@ -7,8 +7,7 @@ from collections.abc import Callable
 
 import pytest
 
-from rd2h_protocol.explore import RequestSpec, World, WorldConfig
-from rd2h_protocol.invariants import (
+from rd2h_protocol.checker.invariants import (
     INVARIANTS,
     InvariantViolation,
     check_done_on_rank,
@@ -19,6 +18,8 @@ from rd2h_protocol.invariants import (
     check_single_outcome,
     check_storage_gates,
 )
+from rd2h_protocol.checker.model import RequestSpec, WorldConfig
+from rd2h_protocol.checker.world import World
 from rd2h_protocol.producer_machines import GATE_OPEN
 
 SMALL = WorldConfig(p_tp=1, engines=(1,), n_layers=2, n_storages=1)

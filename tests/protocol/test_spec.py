@@ -11,7 +11,7 @@ import msgspec.inspect as mi
 import pytest
 
 from rd2h_protocol import spec
-from rd2h_protocol.invariants import INVARIANTS
+from rd2h_protocol.checker.invariants import INVARIANTS
 from rd2h_protocol.messages import MESSAGE_TYPES, ReadReadyBatch
 
 ROOT = Path(__file__).resolve().parents[2]

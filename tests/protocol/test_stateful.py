@@ -1,4 +1,4 @@
-"""The hypothesis model of the whole protocol (rd2h_protocol.testing).
+"""The hypothesis model of the whole protocol (rd2h_protocol.checker.stateful).
 
 ``TestProtocol`` runs the state machine with at least 500 examples; the planted-bug tests
 prove it fails when the gate opens one reply early or when Decode completes on the first
@@ -16,10 +16,12 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis.stateful import run_state_machine_as_test
 from test_explore import plant_early_gate, plant_first_contributor_completes
 
+from rd2h_protocol.checker.invariants import InvariantViolation
+from rd2h_protocol.checker.model import Frame
+from rd2h_protocol.checker.stateful import ProtocolStateMachine
+from rd2h_protocol.checker.world import World
 from rd2h_protocol.errors import TransferError
-from rd2h_protocol.explore import Frame, InvariantViolation, World
 from rd2h_protocol.plan import ReadPlan
-from rd2h_protocol.testing import ProtocolStateMachine
 
 # At least 500 runs whatever the profile (CI's "ci" profile is derandomized, so the runs
 # are the same every time); 50 steps each, every one followed by the invariant checks and
@@ -97,7 +99,7 @@ def test_subclasses_can_replace_the_network_and_the_read_executor() -> None:
 
 def test_importing_the_protocol_never_imports_hypothesis() -> None:
     code = (
-        "import sys, rd2h_protocol, rd2h_protocol.explore, rd2h_protocol.producer, "
+        "import sys, rd2h_protocol, rd2h_protocol.checker.cli, rd2h_protocol.producer, "
         "rd2h_protocol.consumer\n"
         "sys.exit('hypothesis' in sys.modules)\n"
     )

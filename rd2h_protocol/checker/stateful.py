@@ -3,27 +3,28 @@
 Theory of operation
 -------------------
 :class:`ProtocolStateMachine` is a :class:`hypothesis.stateful.RuleBasedStateMachine`
-that drives a :class:`rd2h_protocol.explore.World`: real Prefill and Decode endpoints
+that drives a :class:`rd2h_protocol.checker.world.World`: real Prefill and Decode endpoints
 (unequal TP, a reuse ring, chunked requests, two Decode engines by default), a simulated
 network and a memory model that detects a read after reuse. Its rules are everything that
 can happen to the protocol: requests arrive (on Decode, on Prefill, in either order),
 the Prefill compute path writes layers (only when ``can_overwrite``), frames are delivered
 in any order across connections (in order within one), dropped or duplicated (any frame
-but a readiness: see the ``explore`` module for why), reads finish (well, with a
+but a readiness: see :mod:`~rd2h_protocol.checker.world` for why), reads finish (well, with a
 ``TransferError``, or with a transient one), time passes and timers fire, either side
 aborts, vLLM releases requests early, endpoints die and restart, and ``drain`` lets
 everything settle to check liveness mid-run. After every step the invariants of
-:mod:`rd2h_protocol.invariants` are checked (most as the outputs that could break them are
+:mod:`rd2h_protocol.checker.invariants` are checked (most as the outputs that could break them are
 executed; see :meth:`World.check`); at the end (``teardown``) the world settles and L1 and
 B1 must hold.
 
 This module imports hypothesis, which :mod:`rd2h_protocol` does not depend on: import it
 from tests only (``import rd2h_protocol`` never imports it). Like zarr's
 ``zarr.testing.stateful``, it ships in the package so that other layers can reuse it with
-real parts: subclass :class:`~rd2h_protocol.explore.World` and override
-:meth:`~rd2h_protocol.explore.World.transmit` / :meth:`~rd2h_protocol.explore.World.deliverable`
-(the network) or :meth:`~rd2h_protocol.explore.World.execute_read` (the executor of read
-plans), then subclass the machine and return it from :meth:`ProtocolStateMachine.make_world`::
+real parts: subclass :class:`~rd2h_protocol.checker.world.World` and override
+:meth:`~rd2h_protocol.checker.world.World.transmit` /
+:meth:`~rd2h_protocol.checker.world.World.deliverable` (the network) or
+:meth:`~rd2h_protocol.checker.world.World.execute_read` (the executor of read plans), then
+subclass the machine and return it from :meth:`ProtocolStateMachine.make_world`::
 
     class LoopbackWorld(World):
         def execute_read(self, engine, d_rank, plan, start_by, layer):
@@ -46,7 +47,8 @@ from typing import ClassVar, TypeVar
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from rd2h_protocol.explore import RequestSpec, World, WorldConfig
+from rd2h_protocol.checker.model import RequestSpec, WorldConfig
+from rd2h_protocol.checker.world import World
 
 __all__ = ["DEFAULT_WORLD", "ProtocolStateMachine"]
 

@@ -1,8 +1,9 @@
 """The safety and liveness properties the protocol guarantees, stated once, and checked.
 
-The model-checking tests (:mod:`rd2h_protocol.testing`, :mod:`rd2h_protocol.explore`)
-check them after every step; the docs generator prints them. Each :class:`Invariant`
-says what it promises, what it assumes of the world, and where it does not hold.
+The model checker (the hypothesis state machine of :mod:`rd2h_protocol.checker.stateful`
+and the explorer of :mod:`rd2h_protocol.checker.explore`) checks them after every step;
+the docs generator prints them. Each :class:`Invariant` says what it promises, what it
+assumes of the world, and where it does not hold.
 
 The ``check_*`` functions below are the checks of what the endpoints themselves hold
 (each raises :class:`InvariantViolation` naming its invariant); the model world adds the

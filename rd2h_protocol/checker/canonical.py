@@ -1,0 +1,455 @@
+"""State fingerprints: a canonical form of a world, and the reductions it applies.
+
+Canonical form
+--------------
+Two states reached along different paths are often the same state written differently:
+dicts filled in another order, read ids handed out in another order, a lazy timer heap
+laid out differently, counters, and every time shifted by the same amount. The
+fingerprint is the hash of a canonical form that leaves those out: dicts and sets sorted,
+read ids and uid counters dropped (they are labels), derived caches and configuration
+skipped, times measured from now, and references between an endpoint's own records
+written as the name or id they stand for (which also breaks the cycles).
+
+Each of those is left out because nothing that happens next depends on it: the
+endpoints and the world never observe the order of a dict or a set, use read ids and
+uids as labels only, never act on the skipped attributes (:data:`_SKIP`: configuration,
+derived caches, counters, texts; the entries say why), and compare times only with each
+other. The comments in :func:`_canon_world` argue the same for what the world remembers
+(the history of requests that ended, Decode's memory of replies no one can ask for any
+more). Equal canonical forms therefore mean states with the same futures.
+
+The fingerprint is Python's 64-bit hash of the canonical form: stable within one
+process, and over a million states the chance that two different states collide is
+about 1e-7 (:func:`fingerprint`).
+
+Symmetry reduction
+------------------
+Requests of the same engine with the same chunks (and both or neither allocated late on
+Decode) are interchangeable: the model treats them alike (the endpoints and the world use
+request ids as names only; they compare block ids only with bounds that every id of the
+model meets and look at a request's own ids only for contiguity, and the ids of every
+request are laid out alike: ascending on Prefill, descending on Decode), so a state ``s`` and the
+state ``pi(s)`` in which such requests swap names (and block ``j`` of one becomes block
+``j`` of the other) have the same futures up to that renaming, and ``pi(s)`` breaks an
+invariant iff ``s`` does (the invariants name no particular request; the initial state
+registers them in order, which the canonical form already disregards as dict order).
+Exploring one state per orbit therefore reaches a state that breaks an invariant iff the
+full exploration does. The fingerprint is the least hash of the canonical forms under
+every permutation of each class (:func:`fingerprint`): equal fingerprints mean forms that
+are equal up to a renaming, i.e. the same orbit. For the renaming to reach every
+occurrence, the canonical form writes structs and readiness frames as data (not as
+encoded bytes), every text that could embed an id is already left out of it, and block
+ids live in ranges of their own (``FIRST_PREFILL_BLOCK``...) above every other number a
+state holds (seqs and uids grow by a few per step; the explorer asserts its depth stays
+far below), so an int is renamed only if it is a block id. The cost is one canonical
+form per permutation (two for two requests).
+
+It is off by default (``--symmetry`` turns it on; ``--compare-reduction`` measures both
+ways in one run) because on these configurations it does not pay: the requests travel
+together in the same batches, whose lists keep registration order (r0 before r1), so the
+mirror of a reachable state is rarely itself reachable, and the merge happens only where a
+fault treats the requests differently before they share a batch. Measured on a loaded
+2-core machine: ``tp2-d1`` and ``tp2-d2`` (with a lost readiness only) 1.00x fewer states
+for 1.4x the CPU time; ``faults``, ``reopen`` and ``no-abort`` 1.19x to 1.24x fewer states
+(8356 against 9940, 8762 against 10717, 9773 against 12101) for 1.2x the CPU time. Sorting the
+requests inside a batch in the canonical form would merge more, but would need the
+endpoints to be provably insensitive to that order, which they are not written to be.
+
+Partial-order reduction is NOT applied: every action reads or moves the shared clock
+(deliveries and reads behave differently before and after a lease or timer expires), so
+no action is independent of time passing, and an ample set would have to contain the
+time step and with it, almost always, everything else.
+"""
+
+from __future__ import annotations
+
+import itertools
+import operator
+from collections import deque
+from collections.abc import Callable
+from typing import Any, Final, TypeAlias
+
+import msgspec
+
+from rd2h_protocol.checker.model import Frame
+from rd2h_protocol.checker.snapshot import _connection_of, _share
+from rd2h_protocol.checker.world import World
+from rd2h_protocol.codec import decode
+from rd2h_protocol.consumer import ConsumerEndpoint
+from rd2h_protocol.layout import DestinationLayout, LayerLayout
+from rd2h_protocol.messages import Abort, ReadDone, ReadFailed, ReadReadyBatch
+from rd2h_protocol.plan import ReadPlan
+from rd2h_protocol.producer import ProducerEndpoint
+
+__all__ = ["fingerprint"]
+
+_Canon: TypeAlias = object
+
+# Attributes left out of the canonical form, by class (module.qualname): configuration,
+# derived caches, counters and labels that never change what happens next.
+_SKIP: Final[dict[str, frozenset[str]]] = {
+    "rd2h_protocol.checker.world.World": frozenset(
+        {
+            "cfg",
+            "static",
+            "_powner",
+            "_version",
+            "_next_pblock",
+            "_next_dblock",
+            "reads",
+            "pmem",
+            "network",
+            "dmem",
+            "ranks",
+            "_terminal",
+            "_delivered",
+            "_prefill_finished",
+            "_aborted_to",
+        }
+    ),
+    "rd2h_protocol.producer.ProducerEndpoint": frozenset(
+        {
+            "config",
+            "stats",
+            "_layer_names",
+            "_layer_slots",
+            "_last_layer",
+            "_lease_s",
+            "_v1_only",
+            "_meta",
+            "_next_uid",
+            "_timers",
+        }
+    ),
+    "rd2h_protocol.consumer.ConsumerEndpoint": frozenset(
+        {
+            "config",
+            "stats",
+            "_layers",
+            "_caps",
+            "_main_limit",
+            "_indexer_limit",
+            "_next_read_id",
+            "_next_park_id",
+            "_out",
+            "_aborts",
+            "_reads",
+            "_entry_cache",
+        }
+    ),
+    # history only tells a stale reply from a duplicate one (a counter); next_seq is a label.
+    "rd2h_protocol.producer._Conn": frozenset({"history", "next_seq", "refusal"}),
+    "rd2h_protocol.producer._Pub": frozenset({"sent_at"}),  # for latency metrics only
+    # Failure texts are reported, never acted on.
+    "rd2h_protocol.producer._Request": frozenset({"message"}),
+    "rd2h_protocol.consumer._Request": frozenset({"fail_message"}),
+    # The reply memory is written by _canon_world, only where it can still be asked.
+    "rd2h_protocol.consumer._Session": frozenset({"validated", "remembered", "remembered_bytes"}),
+    # A request's spec and block ids never change; its key says which request it is.
+    "rd2h_protocol.checker.model._Req": frozenset({"spec", "pmain", "pidx", "dmain", "didx"}),
+    "rd2h_protocol.completion.ContributorSet": frozenset({"duplicates"}),
+    "rd2h_protocol.completion.CrossRankCompletion": frozenset(
+        {"stats", "world_size", "max_unmapped", "unmapped_timeout_s", "collect_timeout_s"}
+    ),
+}
+# Attributes that hold references to records kept elsewhere: written as their key.
+_REFS: Final[dict[str, dict[str, str]]] = {
+    "rd2h_protocol.producer._Pub": {"conn": "name", "requests": "ext_id"},
+    "rd2h_protocol.producer._Request": {"conn": "name"},
+    "rd2h_protocol.consumer._Readiness": {"accepted": "ext_id", "in_plan": "ext_id"},
+}
+_ATOMIC: Final = frozenset({str, int, bytes, bool, type(None)})
+_NOW: list[float] = [0.0]  # the instant times are measured from, while canonicalising
+# The renaming of request ids and block ids applied while canonicalising (symmetry), and
+# whether structs are written as data (so that renaming reaches inside them) or as bytes.
+_RENAME: dict[object, object] = {}
+_STRUCTS_AS_DATA: list[bool] = [False]
+_HANDLERS: dict[type, Callable[[Any], _Canon]] = {}
+_SHARED_FORMS: dict[int, _Canon] = {}  # forms of shared immutable objects (layouts), by id
+
+
+def _canon(obj: object) -> _Canon:
+    """The canonical form of ``obj``: plain, hashable, free of order and labels."""
+    t = type(obj)
+    if t in _ATOMIC:
+        return _RENAME.get(obj, obj) if _RENAME else obj
+    if t is float:
+        # Behaviour depends on differences of times only: measure them from now.
+        return obj - _NOW[0]  # type: ignore[operator]
+    # The common containers inline (this runs a few hundred times per state).
+    if t is tuple or t is list:
+        return tuple([_canon(x) for x in obj]) if obj else ()  # type: ignore[attr-defined]
+    if t is dict:
+        return _canon_map(obj) if obj else _EMPTY_MAP
+    if t is set or t is frozenset:
+        return _canon_set(obj) if obj else _EMPTY_SET
+    handler = _HANDLERS.get(t)
+    if handler is None:
+        handler = _HANDLERS[t] = _handler_for(t)
+    return handler(obj)
+
+
+_EMPTY_MAP: Final = ("{}", ())
+_EMPTY_SET: Final = ("set", ())
+
+
+def _sorted(items: list[_Canon]) -> tuple[_Canon, ...]:
+    try:
+        return tuple(sorted(items))  # type: ignore[type-var]
+    except TypeError:
+        return tuple(sorted(items, key=repr))
+
+
+def _canon_seq(obj: Any) -> _Canon:
+    return tuple([_canon(x) for x in obj])
+
+
+def _canon_map(obj: Any) -> _Canon:
+    return ("{}", _sorted([(_canon(k), _canon(v)) for k, v in obj.items()]))
+
+
+def _canon_set(obj: Any) -> _Canon:
+    return ("set", _sorted([_canon(x) for x in obj]))
+
+
+def _canon_struct(obj: Any) -> _Canon:
+    if _STRUCTS_AS_DATA[0]:
+        return _canon(msgspec.to_builtins(obj, builtin_types=(bytes,)))
+    return msgspec.msgpack.encode(obj)
+
+
+def _canon_shared_struct(obj: Any) -> _Canon:
+    # Layouts are shared between snapshots (see _DISPATCH) and never change.
+    form = _SHARED_FORMS.get(id(obj))
+    if form is None:
+        _share(("form", id(obj)), obj)  # keep it alive: its id stays its own
+        form = _SHARED_FORMS[id(obj)] = msgspec.msgpack.encode(obj)
+    return form
+
+
+def _canon_plan(plan: Any) -> _Canon:
+    # read_id is a label; the components follow from the layer.
+    return ("plan", plan.session, plan.layer_name, _canon(plan.requests))
+
+
+def _canon_world(world: Any) -> _Canon:
+    state = _canon_vars(world)
+    reads = _sorted([((e, d), _canon(r)) for (e, d, _), r in world.reads.items()])
+    # Write versions are for the traces only: what a block holds is (layer, owners).
+    pmem = _sorted([(k, (v[0], _canon(v[2]))) for k, v in world.pmem.items()])
+    network = tuple([_canon_frame(f) for f in sorted(world.network, key=_connection_of)])
+    # What the checks remember about a request matters only while it lives: once Decode
+    # released (or abandoned) it and every Prefill rank finished it, its history is moot.
+    live_decode = {x for x, r in world.reqs.items() if not r.released and not r.abandoned}
+    live_prefill = {x for prod in world.producers for x in prod.requests()}
+    dblocks = {
+        (r.spec.engine, b) for x in live_decode for r in (world.reqs[x],) for b in r.dmain + r.didx
+    }
+    memory = _sorted(
+        [_canon(item) for item in world.dmem.items() if (item[0][0], item[0][3]) in dblocks]
+    )
+    records = tuple(
+        _sorted([_canon(item) for item in table.items() if item[0][2] in live_decode])
+        for table in (world._terminal, world._delivered)
+    )
+    aborted = _sorted([_canon(k) for k in world._aborted_to if k[2] in live_prefill])
+    # Decode's reply memory (seq -> reply) matters only for a seq that can still reach it:
+    # one Prefill still holds (and may resend) or one in flight. Prefill never resends an
+    # ended publication and never reuses a seq, and the model stays far below the memory's
+    # bounds, so what Decode remembers of any other seq changes nothing that follows.
+    askable = {
+        (prod.config.session, v.conn, v.seq)
+        for prod in world.producers
+        for v in prod.publications().values()
+    }
+    for f in world.network:
+        if f.kind == "ReadReadyBatch":
+            msg = decode(f.data)
+            assert isinstance(msg, ReadReadyBatch)
+            askable.add((f.src[1], f.dst[1], msg.seq))
+    remembered = _sorted(
+        [
+            (conn, name, seq, _canon(reply))
+            for (e, d), cons in world.consumers.items()
+            for conn in (World.conn_name(e, d),)
+            for name, session in cons._sessions.items()
+            for seq, reply in session.remembered.items()
+            if (name, conn, seq) in askable
+        ]
+    )
+    ranks = tuple(
+        (
+            rank.session,
+            rank.next_layer,
+            _sorted([_canon(c) for c in rank.chunks.items() if c[0] in live]),
+        )
+        for rank, prod in zip(world.ranks, world.producers, strict=True)
+        for live in (prod.requests(),)
+    )
+    return (state, reads, pmem, network, memory, records, aborted, ranks, remembered)
+
+
+def _canon_frame(frame: Frame) -> _Canon:
+    """A frame as what its receiver acts on: texts (reasons, error messages) and the send
+    time of frames without a delivery bound change nothing."""
+    head = (frame.src, frame.dst)
+    if frame.kind == "Abort":
+        msg = decode(frame.data)
+        assert isinstance(msg, Abort)
+        return (head, "abort", _canon(msg.ext_ids))
+    if frame.kind == "ReadFailed":
+        failed = decode(frame.data)
+        assert isinstance(failed, ReadFailed)
+        return (head, "failed", failed.layer_idx, failed.seq, failed.code)
+    if frame.kind == "ReadDone":
+        done = decode(frame.data)
+        assert isinstance(done, ReadDone)
+        isolated = _canon([(f.ext_req_id, f.code) for f in done.failed or ()])
+        return (head, "done", done.layer_idx, done.seq, isolated)
+    deliver_by = None if frame.deliver_by is None else frame.deliver_by - _NOW[0]
+    if frame.kind == "ReadReadyBatch" and _STRUCTS_AS_DATA[0]:
+        return (head, _canon_struct(decode(frame.data)), deliver_by)
+    return (head, frame.data, deliver_by)
+
+
+def _canon_producer(prod: Any) -> _Canon:
+    live = set(prod._pubs) | set(prod._handshakes)
+    # The timer heap is lazy: only its live entries matter, in deadline order.
+    timers = tuple(sorted((t - _NOW[0], uid) for t, uid in prod._timers if uid in live))
+    return (_canon_vars(prod), timers)
+
+
+def _canon_consumer(cons: Any) -> _Canon:
+    return (_canon_vars(cons), _sorted([_canon(rd) for rd in cons._reads.values()]))
+
+
+_VAR_NAMES: dict[type, tuple[frozenset[str], tuple[str, ...]]] = {}
+
+
+def _canon_vars(obj: object) -> tuple[_Canon, ...]:
+    own = vars(obj)
+    cls = type(obj)
+    cached = _VAR_NAMES.get(cls)
+    keys = own.keys()
+    if cached is None or cached[0] != keys:
+        skip = _skip_of(cls)
+        cached = _VAR_NAMES[cls] = (frozenset(keys), tuple(a for a in sorted(own) if a not in skip))
+    return tuple([_canon(own[a]) for a in cached[1]])
+
+
+def _skip_of(cls: type) -> frozenset[str]:
+    for klass in cls.__mro__:
+        skip = _SKIP.get(f"{klass.__module__}.{klass.__qualname__}")
+        if skip is not None:
+            return skip
+    return frozenset()
+
+
+def _handler_for(t: type) -> Callable[[Any], _Canon]:
+    """Build (once per type) the function that canonicalises values of type ``t``."""
+    if issubclass(t, World):
+        return _canon_world
+    if issubclass(t, ProducerEndpoint):
+        return _canon_producer
+    if issubclass(t, ConsumerEndpoint):
+        return _canon_consumer
+    if issubclass(t, tuple | list | deque):  # NamedTuples too
+        return _canon_seq
+    if issubclass(t, dict):
+        return _canon_map
+    if issubclass(t, set | frozenset):
+        return _canon_set
+    if issubclass(t, int):  # IntEnum
+        return int
+    if t in (LayerLayout, DestinationLayout):
+        return _canon_shared_struct
+    if issubclass(t, msgspec.Struct):
+        return _canon_struct
+    if t is ReadPlan:
+        return _canon_plan
+    name = f"{t.__module__}.{t.__qualname__}"
+    refs = _REFS.get(name, {})
+    slots: list[str] = []
+    for klass in reversed(t.__mro__):
+        declared = klass.__dict__.get("__slots__", ())
+        slots.extend([declared] if isinstance(declared, str) else declared)
+    if not slots:
+        return lambda obj: (t.__qualname__, _canon_vars(obj))
+    skip = _skip_of(t)
+    attrs = [a for a in dict.fromkeys(slots) if a not in skip and a != "__weakref__"]
+    plain = [a for a in attrs if a not in refs]
+    referring = [(a, refs[a]) for a in attrs if a in refs]
+    qualname = t.__qualname__
+
+    get_plain = operator.attrgetter(*plain) if len(plain) > 1 else None
+
+    def handler(obj: Any) -> _Canon:
+        fields: list[_Canon] = [qualname]
+        if get_plain is not None:
+            fields.extend([_canon(v) for v in get_plain(obj)])
+        elif plain:
+            fields.append(_canon(getattr(obj, plain[0])))
+        for attr, key in referring:
+            value = getattr(obj, attr)
+            if isinstance(value, list | tuple):
+                fields.append(tuple([_canon(getattr(v, key)) for v in value]))
+            else:
+                fields.append(_canon(getattr(value, key)))
+        return tuple(fields)
+
+    return handler
+
+
+def fingerprint(world: World, *, symmetry: bool = False) -> int:
+    """A hash of ``world``'s canonical form: equal for states that behave the same, up to
+    a permutation of interchangeable requests (``symmetry``; see the module docstring):
+    the least hash of the forms under every such permutation.
+
+    Python's hash of the form (64 bits): within one process it is stable, and over a
+    million states the chance that two different states collide is about 1e-7.
+    """
+    _NOW[0] = world.now
+    static = world.static
+    if static.renamings is None:
+        static.renamings = _renamings(world)
+    if not symmetry or len(static.renamings) == 1:
+        return hash(_canon(world))
+    _STRUCTS_AS_DATA[0] = True
+    try:
+        best = None
+        for renaming in static.renamings:
+            _RENAME.update(renaming)
+            h = hash(_canon(world))
+            _RENAME.clear()
+            best = h if best is None else min(best, h)
+    finally:
+        _RENAME.clear()
+        _STRUCTS_AS_DATA[0] = False
+    assert best is not None
+    return best
+
+
+def _renamings(world: World) -> list[dict[object, object]]:
+    """Every permutation of the interchangeable requests (same engine, same chunks, both
+    allocated late on Decode or neither) as a renaming of their ids and of their block ids
+    (block ``j`` of a request to block ``j`` of its image); the identity first, as ``{}``."""
+    cfg = world.cfg
+    classes: dict[tuple[object, ...], list[str]] = {}
+    for spec in cfg.requests:
+        key = (spec.engine, spec.chunks, spec.ext_id in cfg.late_decode)
+        classes.setdefault(key, []).append(spec.ext_id)
+    groups = [ids for ids in classes.values() if len(ids) > 1]
+    renamings: list[dict[object, object]] = []
+    for images in itertools.product(*(itertools.permutations(ids) for ids in groups)):
+        renaming: dict[object, object] = {}
+        for ids, image in zip(groups, images, strict=True):
+            for src, dst in zip(ids, image, strict=True):
+                if src != dst:
+                    a, b = world.reqs[src], world.reqs[dst]
+                    renaming[src] = dst
+                    for blocks, to in ((a.pmain, b.pmain), (a.pidx, b.pidx)):
+                        renaming.update(zip(blocks, to, strict=True))
+                    for blocks, to in ((a.dmain, b.dmain), (a.didx, b.didx)):
+                        renaming.update(zip(blocks, to, strict=True))
+        renamings.append(renaming)
+    return renamings

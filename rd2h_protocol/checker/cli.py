@@ -1,0 +1,153 @@
+"""``python -m rd2h_protocol.checker``: explore the configurations, report, exit 1 on a
+violation.
+
+Configurations run in parallel processes (``--jobs``, forked, so that each child shares
+the parent's modules); results print in order, each with a shortest trace to any
+violation, then one line of totals.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import multiprocessing
+import os
+import sys
+from collections.abc import Iterator, Sequence
+from dataclasses import replace
+
+from rd2h_protocol.checker.configs import _FAULTS, CONFIGS
+from rd2h_protocol.checker.explore import ExploreResult, _explore_star
+
+__all__ = ["main"]
+
+
+def _report(result: ExploreResult, max_states: int) -> None:
+    if result.violation is not None:
+        status = "stopped at a violation"
+    elif result.complete:
+        status = "complete"
+    else:
+        status = f"stopped at --max-states {max_states}"
+    print(
+        f"{result.name}: {result.states} distinct states, {result.transitions} transitions, "
+        f"depth {result.depth}, {result.final_states} final states, {status}, "
+        f"{result.seconds:.1f} s ({result.cpu_seconds:.1f} s CPU)"
+    )
+    if result.expect:
+        found = sorted(set(result.found) & result.expect)
+        print(
+            f"  expected to break {', '.join(sorted(result.expect))}: "
+            f"found {', '.join(found) or 'none'}"
+            + (f", MISSING {', '.join(result.missing)}" if result.missing else "")
+        )
+    for inv, (violation, trace) in result.found.items():
+        label = "expected violation" if inv in result.expect else "VIOLATION"
+        print(f"{label} {violation} after {len(trace)} steps:")
+        for i, step in enumerate(trace, 1):
+            print(f"  {i:3d}. {step}")
+    sys.stdout.flush()
+
+
+def _report_reduction(reduced: ExploreResult, plain: ExploreResult) -> None:
+    print(
+        f"{reduced.name}: symmetry reduction {reduced.states} states in "
+        f"{reduced.cpu_seconds:.1f} s CPU, without {plain.states} states in "
+        f"{plain.cpu_seconds:.1f} s CPU: states x{plain.states / reduced.states:.2f}, "
+        f"CPU time x{plain.cpu_seconds / max(reduced.cpu_seconds, 1e-9):.2f}"
+        + ("" if reduced.complete and plain.complete else " (bounded by --max-states)"),
+        flush=True,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m rd2h_protocol.checker [--config NAME ...] [--max-states N] [--jobs N]``.
+
+    Configurations run in parallel processes (``--jobs``); results print in order.
+    """
+    parser = argparse.ArgumentParser(
+        prog="python -m rd2h_protocol.checker",
+        description="Explore every interleaving of small RD2H configurations and check the "
+        "invariants (rd2h_protocol.checker.invariants) in every state.",
+    )
+    parser.add_argument(
+        "--config",
+        action="append",
+        choices=sorted(CONFIGS),
+        help="configuration to explore (repeatable; default: all)",
+    )
+    parser.add_argument(
+        "--max-states",
+        type=int,
+        default=1_000_000,
+        help="stop a configuration after this many distinct states (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--budget",
+        action="append",
+        default=[],
+        metavar="FAULT=N",
+        help="set a fault budget of the chosen configurations (drop, dup, abort, "
+        "prefill_abort, release, read_fail, kill, lose); repeatable",
+    )
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=0,
+        help="configurations explored at once, one process each (default: one per CPU)",
+    )
+    parser.add_argument(
+        "--symmetry",
+        action="store_true",
+        help="merge states that differ by a permutation of interchangeable requests",
+    )
+    parser.add_argument(
+        "--compare-reduction",
+        action="store_true",
+        help="explore every chosen configuration with and without the symmetry reduction "
+        "and print the ratios of states and of CPU time",
+    )
+    parser.add_argument("--list", action="store_true", help="list the configurations and exit")
+    args = parser.parse_args(argv)
+    overrides: dict[str, int] = {}
+    for item in args.budget:
+        fault, _, count = item.partition("=")
+        if fault not in _FAULTS or not count.isdigit():
+            parser.error(f"--budget expects FAULT=N with FAULT in {', '.join(_FAULTS)}: {item!r}")
+        overrides[fault] = int(count)
+    if args.list:
+        for name, cfg in CONFIGS.items():
+            print(f"{name}: {cfg}")
+        return 0
+    names = args.config or list(CONFIGS)
+    cfgs = [CONFIGS[name] for name in names]
+    if overrides:
+        cfgs = [replace(c, budgets=tuple({**dict(c.budgets), **overrides}.items())) for c in cfgs]
+    ways = (True, False) if args.compare_reduction else (args.symmetry,)
+    work = [
+        (name, cfg, args.max_states, symmetry)
+        for name, cfg in zip(names, cfgs, strict=True)
+        for symmetry in ways
+    ]
+    jobs = min(len(work), args.jobs or os.cpu_count() or 1)
+    total_states = 0
+    failed = 0
+    incomplete = 0
+    with contextlib.ExitStack() as stack:
+        results: Iterator[ExploreResult] = map(_explore_star, work)
+        if jobs > 1:
+            pool = stack.enter_context(multiprocessing.get_context("fork").Pool(jobs))
+            results = pool.imap(_explore_star, work)  # in order, each as soon as it can
+        for _ in names:
+            result = next(results)
+            _report(result, args.max_states)
+            if args.compare_reduction:
+                _report_reduction(result, next(results))
+            total_states += result.states
+            incomplete += not result.complete
+            failed += not result.passed
+    print(
+        f"explored {len(names)} configurations, {total_states} states, "
+        f"incomplete={incomplete} violations={failed}"
+    )
+    return 1 if failed else 0

@@ -1,0 +1,574 @@
+"""The core of the model world: the endpoints wired together, and the checks of their outputs.
+
+:class:`WorldCore` is the bottom layer of :class:`~rd2h_protocol.checker.world.World` (the
+layers are listed there). It holds the whole state of a world, set up in ``__init__``:
+the endpoints, the frames in flight, the reads under way, the memory model and what the
+checks remember. It builds the endpoints, registers requests on both sides (the proxy
+and the Decode engine), runs the Prefill compute path (a layer is written only when
+``can_overwrite`` says so, then published), and executes every output of an endpoint in
+order, checking each as it comes: S2 at every ``RequestDone`` and at cross-rank
+completion, S3 at every ``Releasable``, B1 where a request finishes (twice, or dropped by
+the cross-rank rule). :meth:`WorldCore.check` checks the state invariants after every
+step. Frames leave through :meth:`WorldCore.transmit`; the layers above deliver them
+(:mod:`~rd2h_protocol.checker.network`), run the reads, checking S1 and S3 at every
+block they copy (:mod:`~rd2h_protocol.checker.memory`), and move time, checking S1 at
+every lease expiry (:mod:`~rd2h_protocol.checker.clock`).
+"""
+
+from __future__ import annotations
+
+from rd2h_protocol.checker.invariants import (
+    InvariantViolation,
+    check_done_on_rank,
+    check_idle,
+    check_quiescent,
+    check_read_may_start,
+    check_release,
+    check_single_outcome,
+    check_storage_gates,
+)
+from rd2h_protocol.checker.model import (
+    BASE_PORT,
+    BLOCK_LEN,
+    COMPONENTS,
+    FIRST_DECODE_BLOCK,
+    FIRST_PREFILL_BLOCK,
+    HOST,
+    INDEXER_ID_OFFSET,
+    NUM_DECODE_BLOCKS,
+    NUM_PREFILL_BLOCKS,
+    PORTS_PER_ENGINE,
+    Frame,
+    RequestSpec,
+    Value,
+    WorldConfig,
+    _decode_bases,
+    _frame_kind,
+    _prefill_bases,
+    _Rank,
+    _Read,
+    _ReplyKey,
+    _Req,
+    _Static,
+    layer_name,
+)
+from rd2h_protocol.codec import encode
+from rd2h_protocol.completion import CrossRankCompletion, RankReport
+from rd2h_protocol.consumer import (
+    ConsumerConfig,
+    ConsumerEndpoint,
+    Releasable,
+    Reply,
+    RequestDone,
+    RequestFailed,
+    SendAbort,
+    StartRead,
+)
+from rd2h_protocol.consumer import Output as ConsumerOutput
+from rd2h_protocol.events import Chunk
+from rd2h_protocol.layout import ComponentDest, DestinationLayout, LayerLayout
+from rd2h_protocol.messages import Abort, ReadDone, ReadFailed, ReadReadyBatch
+from rd2h_protocol.producer import (
+    DecodeTarget,
+    Disconnect,
+    ProducerConfig,
+    ProducerEndpoint,
+    RequestFinished,
+    Send,
+)
+from rd2h_protocol.producer import Output as ProducerOutput
+
+__all__ = ["WorldCore"]
+_STATICS: dict[int, _Static] = {}
+
+
+def _destination(parts: list[ComponentDest]) -> DestinationLayout:
+    """K, V, indexer, scale (in BLOCK_LEN's order) as one layer's destination."""
+    k, v, indexer, scale = parts
+    return DestinationLayout((k, v), indexer, scale)
+
+
+def _static_of(cfg: WorldConfig) -> _Static:
+    static = _STATICS.get(id(cfg))
+    if static is not None:
+        return static
+    prefill = [
+        (
+            layer_name(layer),
+            LayerLayout(
+                base_addrs=list(_prefill_bases(layer % cfg.n_storages)),
+                block_len=list(BLOCK_LEN),
+                tensor_group_idx=[0, 0, 1, 1],
+                num_blocks=NUM_PREFILL_BLOCKS,
+            ),
+        )
+        for layer in range(cfg.n_layers)
+    ]
+    decode = [
+        (
+            layer_name(layer),
+            _destination(
+                [
+                    ComponentDest(base, size, NUM_DECODE_BLOCKS)
+                    for base, size in zip(_decode_bases(layer), BLOCK_LEN, strict=True)
+                ]
+            ),
+        )
+        for layer in range(cfg.n_layers)
+    ]
+    conn_rank = {
+        WorldCore.conn_name(e, d): (e, d) for e, d_tp in enumerate(cfg.engines) for d in range(d_tp)
+    }
+    static = _Static(prefill, decode, {name: i for i, (name, _) in enumerate(decode)}, conn_rank)
+    _CONFIGS.setdefault((id(cfg), "W", 0, None), cfg)  # keeps cfg, so its id stays its own
+    _STATICS[id(cfg)] = static
+    return static
+
+
+# Endpoint configurations by (id of the world config, side, rank, session or TP size).
+# The world config they hang off is kept alive with them, so its id is never reused.
+_CONFIGS: dict[tuple[int, str, int, object], ProducerConfig | ConsumerConfig | WorldConfig] = {}
+
+
+class WorldCore:
+    """The state of a model world, its endpoints, their outputs and the checks of both.
+
+    See the module docstring. All methods take the world's own clock (``self.now``).
+    """
+
+    def __init__(self, cfg: WorldConfig) -> None:
+        for d_tp in cfg.engines:
+            if d_tp < 1 or cfg.p_tp % d_tp:
+                raise ValueError(f"Decode TP {d_tp} must divide Prefill TP {cfg.p_tp}")
+        self.cfg = cfg
+        _CONFIGS.setdefault((id(cfg), "W", 0, None), cfg)
+        self.now = 0.0
+        self.budgets: dict[str, int] = dict(cfg.budgets)
+        self.static = _static_of(cfg)
+        # Prefill side.
+        self.ranks: list[_Rank] = []
+        self.producers: list[ProducerEndpoint] = []
+        self._gens: list[int] = []
+        for p in range(cfg.p_tp):
+            self._gens.append(0)
+            self.ranks.append(_Rank(f"p{p}.0"))
+            self.producers.append(self._new_producer(p, f"p{p}.0"))
+        # Decode side.
+        self.consumers: dict[tuple[int, int], ConsumerEndpoint] = {}
+        self.completions: list[CrossRankCompletion] = []
+        self._engine_gens: list[int] = []
+        self._reports: list[list[tuple[list[str], list[str]]]] = []
+        for e, d_tp in enumerate(cfg.engines):
+            self._engine_gens.append(0)
+            self.completions.append(CrossRankCompletion(d_tp))
+            self._reports.append([([], []) for _ in range(d_tp)])
+            for d in range(d_tp):
+                self.consumers[(e, d)] = self._new_consumer(d, d_tp)
+        # Network, reads, memory.
+        self.network: list[Frame] = []
+        self.reads: dict[tuple[int, int, int], _Read] = {}
+        self.pmem: dict[tuple[str, int], tuple[int, int, frozenset[str]]] = {}
+        self.dmem: dict[tuple[int, int, int, int], Value] = {}
+        self._version = 0
+        # Requests and what the checks remember.
+        self.reqs: dict[str, _Req] = {}
+        self._powner: dict[int, tuple[str, int]] = {}
+        self._next_pblock = FIRST_PREFILL_BLOCK
+        self._next_dblock = FIRST_DECODE_BLOCK  # one range for every engine: ids stay unique
+        self._terminal: dict[tuple[int, int, str], str] = {}
+        self._delivered: dict[tuple[int, int, str], set[int]] = {}
+        # Readiness delivered and not answered yet, by what the reply will echo: its seq, or
+        # (v1 shapes) its layer; (member, done ids) in the order they arrived.
+        self._readiness: dict[_ReplyKey, list[tuple[int, tuple[str, ...]]]] = {}
+        self._released: set[tuple[int, int, str]] = set()
+        self._prefill_finished: set[tuple[str, str]] = set()
+        self._aborted_to: set[tuple[str, str, str]] = set()
+
+    # -- construction ----------------------------------------------------------------------
+
+    def _new_producer(self, p_rank: int, session: str) -> ProducerEndpoint:
+        # One config object per (world config, session), whichever branch builds it, so
+        # that snapshots share it (see ``snapshot``).
+        key = (id(self.cfg), "P", p_rank, session)
+        config = _CONFIGS.get(key)
+        if config is None:
+            config = _CONFIGS[key] = ProducerConfig(
+                p_rank=p_rank,
+                p_tp=self.cfg.p_tp,
+                session=session,
+                layers=self.static.prefill_layers,
+                lease_ms=self.cfg.lease_ms,
+                handshake_timeout_s=self.cfg.handshake_timeout_s,
+                protocol=self.cfg.prefill_protocol,
+                v1_lease_expiry=self.cfg.v1_lease_expiry,
+                silent_peer_timeout_s=self.cfg.silent_peer_timeout_s,
+            )
+        assert isinstance(config, ProducerConfig)
+        return ProducerEndpoint(config)
+
+    def _new_consumer(self, d_rank: int, d_tp: int) -> ConsumerEndpoint:
+        key = (id(self.cfg), "D", d_rank, d_tp)
+        config = _CONFIGS.get(key)
+        if config is None:
+            config = _CONFIGS[key] = ConsumerConfig(
+                d_rank=d_rank,
+                d_tp=d_tp,
+                layers=self.static.decode_layers,
+                capabilities=self.cfg.decode_capabilities,
+                kv_load_timeout_s=self.cfg.kv_load_timeout_s,
+                park_timeout_s=self.cfg.park_timeout_s,
+                max_read_retries=self.cfg.max_read_retries,
+            )
+        assert isinstance(config, ConsumerConfig)
+        return ConsumerEndpoint(config)
+
+    @staticmethod
+    def conn_name(engine: int, d_rank: int) -> str:
+        """The Prefill side's name of Decode rank ``d_rank`` of engine ``engine``."""
+        return f"{HOST}:{BASE_PORT + PORTS_PER_ENGINE * engine + d_rank}"
+
+    def target(self, engine: int) -> DecodeTarget:
+        """The rendezvous of Decode engine ``engine``."""
+        return DecodeTarget(HOST, BASE_PORT + PORTS_PER_ENGINE * engine, self.cfg.engines[engine])
+
+    def ratio(self, engine: int) -> int:
+        """Prefill ranks per Decode rank of ``engine``."""
+        return self.cfg.p_tp // self.cfg.engines[engine]
+
+    def session_rank(self, session: str) -> int | None:
+        """The Prefill rank whose live incarnation is ``session``."""
+        for p, rank in enumerate(self.ranks):
+            if rank.session == session:
+                return p
+        return None
+
+    # -- requests --------------------------------------------------------------------------
+
+    def new_request(self, spec: RequestSpec) -> None:
+        """Create a request: Prefill and Decode block ids, nothing registered yet."""
+        if spec.ext_id in self.reqs:
+            raise ValueError(f"request {spec.ext_id!r} exists")
+        total = sum(spec.chunks)
+        start = self._next_pblock
+        if start + total > FIRST_PREFILL_BLOCK + INDEXER_ID_OFFSET:
+            raise ValueError("out of Prefill blocks")
+        self._next_pblock += total
+        pmain = list(range(start, start + total))
+        pidx = [b + INDEXER_ID_OFFSET for b in pmain]
+        for j in range(total):
+            self._powner[pmain[j]] = (spec.ext_id, j)
+            self._powner[pidx[j]] = (spec.ext_id, j)
+        dstart = self._next_dblock
+        if dstart + 2 * total > NUM_DECODE_BLOCKS:
+            raise ValueError("out of Decode blocks")
+        self._next_dblock += 2 * total
+        # Decode ids in reverse logical order, so a wrong offset cannot go unnoticed.
+        dmain = list(range(dstart + total - 1, dstart - 1, -1))
+        didx = list(range(dstart + 2 * total - 1, dstart + total - 1, -1))
+        self.reqs[spec.ext_id] = _Req(
+            spec, pmain, pidx, dmain, didx, self._engine_gens[spec.engine]
+        )
+
+    def decode_add(self, ext: str) -> None:
+        """Decode engine allocates the request's destinations on every rank."""
+        req = self.reqs[ext]
+        req.decode_added = True
+        e = req.spec.engine
+        for d in range(self.cfg.engines[e]):
+            outs = self.consumers[(e, d)].add_request(ext, req.dmain, req.didx, self.now)
+            self._consumer_outputs(e, d, outs)
+        self._gather()
+
+    def prefill_add(self, ext: str) -> None:
+        """The proxy dispatches the request to Prefill: every live rank registers it."""
+        req = self.reqs[ext]
+        req.prefill_added = True
+        for p, prod in enumerate(self.producers):
+            self._producer_outputs(p, prod.add_request(ext, self.target(req.spec.engine), self.now))
+
+    def prefill_abort(self, ext: str) -> None:
+        """The Prefill scheduler aborts the request on every rank that holds it."""
+        for p, prod in enumerate(self.producers):
+            if ext in prod.requests():
+                self._producer_outputs(p, prod.abort([ext], "aborted by the model", self.now))
+        self._gather()
+
+    def decode_abort(self, ext: str) -> None:
+        """Decode aborts the request on every rank (before vLLM finishes it)."""
+        req = self.reqs[ext]
+        req.decode_aborted = True
+        e = req.spec.engine
+        for d in range(self.cfg.engines[e]):
+            outs = self.consumers[(e, d)].abort([ext], "aborted by the model", self.now)
+            self._consumer_outputs(e, d, outs)
+        self._gather()
+
+    def release(self, ext: str) -> None:
+        """vLLM finishes the request on Decode (after its KV arrived, or a client abort)."""
+        req = self.reqs[ext]
+        req.released = True
+        e = req.spec.engine
+        for d in range(self.cfg.engines[e]):
+            outs = self.consumers[(e, d)].release(ext, self.now)
+            self._consumer_outputs(e, d, outs)
+        self._gather()
+
+    # -- Prefill compute -------------------------------------------------------------------
+
+    def _step_chunks(self, p: int) -> list[tuple[str, int]]:
+        """The chunks rank ``p`` schedules if it starts a step now."""
+        rank = self.ranks[p]
+        out = []
+        for ext, state in self.producers[p].requests().items():
+            k = rank.chunks.get(ext, 0)
+            if state in ("registered", "sending") and k < len(self.reqs[ext].spec.chunks):
+                out.append((ext, k))
+        return out
+
+    def can_write(self, p: int, *, idle: bool | None = None) -> bool:
+        """Whether rank ``p`` may write its next layer now: its storage is free and it has
+        work (a step under way, chunks to schedule, or ``idle`` steps allowed; default:
+        the config's ``idle_steps``)."""
+        rank = self.ranks[p]
+        idle = self.cfg.idle_steps if idle is None else idle
+        if rank.next_layer == 0 and not idle and not self._step_chunks(p):
+            return False
+        return self.producers[p].can_overwrite(rank.next_layer)
+
+    def write_layer(self, p: int) -> None:
+        """Rank ``p`` computes its next layer (starting a step at layer 0), then publishes it."""
+        prod, rank = self.producers[p], self.ranks[p]
+        layer = rank.next_layer
+        if layer == 0:
+            for ext, k in self._step_chunks(p):
+                req = self.reqs[ext]
+                start = sum(req.spec.chunks[:k])
+                end = start + req.spec.chunks[k]
+                final = k == len(req.spec.chunks) - 1
+                chunk = Chunk(
+                    ext_req_id=ext,
+                    main_block_ids=req.pmain[start:end],
+                    indexer_block_ids=req.pidx[start:end],
+                    main_start=start,
+                    indexer_start=start,
+                    final=final,
+                )
+                prod.schedule_chunk(chunk, self.now)
+                rank.chunks[ext] = k + 1
+        self._version += 1
+        owners = frozenset(prod.requests())
+        for base in _prefill_bases(layer % self.cfg.n_storages):
+            self.pmem[(rank.session, base)] = (layer, self._version, owners)
+        self._producer_outputs(p, prod.layer_written(layer, self.now))
+        rank.next_layer += 1
+        if rank.next_layer == self.cfg.n_layers:
+            rank.next_layer = 0
+            self._producer_outputs(p, prod.end_step(self.now))
+        self._gather()
+
+    # -- the network (sending; delivery is NetworkWorld's) -------------------------------
+
+    def transmit(self, frame: Frame) -> None:
+        """Put ``frame`` on the network (override for another transport)."""
+        self.network.append(frame)
+
+    # -- outputs ---------------------------------------------------------------------------
+
+    def _producer_outputs(self, p: int, outs: list[ProducerOutput]) -> None:
+        session = self.ranks[p].session
+        for o in outs:
+            if isinstance(o, Send):
+                msg = o.msg
+                deliver_by = None
+                if isinstance(msg, ReadReadyBatch):
+                    if msg.lease_ms is not None:  # a peer without the lease: no bound
+                        deliver_by = self.now + msg.lease_ms / 2000.0
+                elif isinstance(msg, Abort):
+                    for ext in msg.ext_ids:
+                        self._aborted_to.add((session, o.conn, ext))
+                self.transmit(
+                    Frame(
+                        ("P", session),
+                        ("D", o.conn),
+                        encode(msg),
+                        self.now,
+                        deliver_by,
+                        _frame_kind(msg),
+                    )
+                )
+            elif isinstance(o, Disconnect):
+                # A fresh DEALER: nothing of the old connection arrives any more.
+                conn = o.conn
+                self.network = [f for f in self.network if {f.src[1], f.dst[1]} != {session, conn}]
+            elif isinstance(o, RequestFinished):
+                key = (session, o.ext_req_id)
+                if key in self._prefill_finished:
+                    raise InvariantViolation("B1", f"{session} finished {o.ext_req_id} twice")
+                self._prefill_finished.add(key)
+
+    def _consumer_outputs(self, e: int, d: int, outs: list[ConsumerOutput]) -> None:
+        conn = self.conn_name(e, d)
+        for o in outs:
+            if isinstance(o, Reply | SendAbort):
+                msg = o.msg
+                if isinstance(msg, ReadDone | ReadFailed):
+                    self._answered(e, d, o.peer, msg)
+                session = o.peer.decode()
+                if self.session_rank(session) is not None:
+                    self.transmit(
+                        Frame(
+                            ("D", conn),
+                            ("P", session),
+                            encode(msg),
+                            self.now,
+                            None,
+                            _frame_kind(msg),
+                        )
+                    )
+            elif isinstance(o, StartRead):
+                layer = self.static.layer_index[o.plan.layer_name]
+                self.reads[(e, d, o.plan.read_id)] = _Read(o.plan, o.start_by, layer)
+            elif isinstance(o, RequestDone):
+                self._terminal_report(e, d, o.ext_req_id, "done")
+                self._check_done_on_rank(e, d, o.ext_req_id)
+                self._reports[e][d][0].append(o.ext_req_id)
+            elif isinstance(o, RequestFailed):
+                self._terminal_report(e, d, o.ext_req_id, "failed")
+                self._reports[e][d][1].append(o.ext_req_id)
+            elif isinstance(o, Releasable):
+                self._check_releasable(e, d, o.ext_req_id)
+
+    def _answered(self, e: int, d: int, peer: bytes, msg: ReadDone | ReadFailed) -> None:
+        """A reply: the done signals of the readiness it answers count if its read succeeded."""
+        key = (e, d, peer, _reply_key(msg))
+        waiting = self._readiness.get(key)
+        if not waiting:
+            return
+        member, done = waiting.pop(0)
+        if not waiting:
+            del self._readiness[key]
+        if isinstance(msg, ReadDone):
+            failed = {f.ext_req_id for f in msg.failed or ()}
+            for ext in done:
+                if ext not in failed:
+                    self._delivered.setdefault((e, d, ext), set()).add(member)
+
+    def _terminal_report(self, e: int, d: int, ext: str, what: str) -> None:
+        key = (e, d, ext)
+        check_single_outcome(self.conn_name(e, d), ext, self._terminal.get(key), what)
+        self._terminal[key] = what
+
+    def _check_done_on_rank(self, e: int, d: int, ext: str) -> None:
+        """S2 on one rank: every contributor delivered its final layer; the indexer is whole."""
+        members = self._delivered.get((e, d, ext), set())
+        check_done_on_rank(self.conn_name(e, d), ext, members, self.ratio(e))
+        req = self.reqs[ext]
+        self._check_data(e, d, req, (2, 3), req.didx)
+
+    def _check_data(
+        self, e: int, rank: int, req: _Req, comps: tuple[int, ...], ids: list[int]
+    ) -> None:
+        ext = req.spec.ext_id
+        for layer in range(self.cfg.n_layers):
+            bases = _decode_bases(layer)
+            for c in comps:
+                for j, blk in enumerate(ids):
+                    got = self.dmem.get((e, rank, bases[c], blk))
+                    want = (layer, ext, j, COMPONENTS[c])
+                    if got != want:
+                        raise InvariantViolation(
+                            "S2",
+                            f"{ext} is done but Decode {COMPONENTS[c]} block {blk} of "
+                            f"layer {layer} (rank {rank}) holds {got}, expected {want}",
+                        )
+
+    def _check_releasable(self, e: int, d: int, ext: str) -> None:
+        writing = [
+            rid
+            for (re, rd, rid), read in self.reads.items()
+            if (re, rd) == (e, d) and any(r.ext_req_id == ext for r in read.plan.requests)
+        ]
+        check_release(self.conn_name(e, d), ext, writing)
+        self._released.add((e, d, ext))
+
+    def _gather(self) -> None:
+        """Every rank's terminal reports go through the cross-rank rule (as the worker does)."""
+        for e, pending in enumerate(self._reports):
+            if (
+                not any(done or failed for done, failed in pending)
+                and self.completions[e].is_idle()
+            ):
+                continue
+            reports = [RankReport(tuple(done), tuple(failed)) for done, failed in pending]
+            self._reports[e] = [([], []) for _ in pending]
+            result = self.completions[e].update(reports, _identity, self.now)
+            for ext in result.finished:
+                req = self.reqs[ext]
+                req.finished = True
+                req.load_error = ext in result.load_errors
+                if not req.load_error:
+                    for d in range(self.cfg.engines[e]):
+                        if self._terminal.get((e, d, ext)) != "done":
+                            raise InvariantViolation(
+                                "S2", f"{ext} finished without being done on rank {d}"
+                            )
+                    self._check_data(e, -1, req, (0, 1), req.dmain)
+            if result.dropped:
+                raise InvariantViolation("B1", f"cross-rank completion dropped {result.dropped}")
+            if self.cfg.auto_release:
+                for ext in result.finished:
+                    if not self.reqs[ext].released:
+                        self.release(ext)
+
+    # -- invariants ------------------------------------------------------------------------
+
+    def check(self) -> None:
+        """The state invariants, after every step (the event checks ran as outputs came)."""
+        for rank, prod in zip(self.ranks, self.producers, strict=True):
+            check_storage_gates(rank.session, prod)
+        for (e, d, rid), read in self.reads.items():
+            if read.start_by is not None and self.now > read.start_by:
+                continue  # it can only fail now
+            src = self.session_rank(read.plan.session)
+            if src is None:
+                continue  # it can only fail now
+            check_read_may_start(
+                self.conn_name(e, d), rid, read.plan.session, self.producers[src], read.layer
+            )
+            for r in read.plan.requests:
+                if (e, d, r.ext_req_id) in self._released:
+                    raise InvariantViolation("S3", f"read {rid} targets released {r.ext_req_id}")
+        for f in self.network:
+            if f.deliver_by is not None and not (self.now < f.deliver_by or self.now == f.sent_at):
+                raise AssertionError("the model let time pass a readiness's delivery bound")
+
+    def check_quiescent(self) -> None:
+        """L1, once everything settled: gates open, every request terminal on both sides."""
+        if self.network or self.reads:
+            raise InvariantViolation(
+                "L1", f"{len(self.network)} frames, {len(self.reads)} reads left"
+            )
+        check_quiescent(self._producers_by_session(), self._consumers_by_name())
+        for ext, req in self.reqs.items():
+            if req.decode_added and not req.abandoned and not req.finished and not req.released:
+                raise InvariantViolation("L1", f"{ext} is not finished across Decode ranks")
+
+    def check_idle(self) -> None:
+        """B1, after every request ended and was released: no per-request state anywhere."""
+        completions = {str(e): comp for e, comp in enumerate(self.completions)}
+        check_idle(self._producers_by_session(), self._consumers_by_name(), completions)
+
+    def _producers_by_session(self) -> dict[str, ProducerEndpoint]:
+        return {rank.session: prod for rank, prod in zip(self.ranks, self.producers, strict=True)}
+
+    def _consumers_by_name(self) -> dict[str, ConsumerEndpoint]:
+        return {self.conn_name(e, d): cons for (e, d), cons in self.consumers.items()}
+
+
+def _reply_key(msg: ReadReadyBatch | ReadDone | ReadFailed) -> int | str:
+    """What a reply echoes of its readiness: the seq, or (v1 shapes) the layer."""
+    return msg.seq if msg.seq is not None else f"layer {msg.layer_idx}"
+
+
+def _identity(ext: str) -> str:
+    return ext

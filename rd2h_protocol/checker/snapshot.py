@@ -1,0 +1,171 @@
+"""A world as bytes: the snapshots the explorer keeps, and what a state pickle leaves out.
+
+:meth:`World.snapshot <rd2h_protocol.checker.world.World.snapshot>` pickles the whole
+world with :data:`_DISPATCH` as the pickler's dispatch table. Counters that never
+influence behaviour are left out (they come back as zeros), configurations and layouts
+are shared rather than copied (every snapshot refers to one object kept here), and plain
+dataclasses are rebuilt positionally (fast), so that states reached along different paths
+merge and a snapshot stays small. Snapshots are read back in the process that wrote them
+(the shared objects live in this module).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+import pickle
+import sys
+from collections.abc import Callable
+from typing import Any, Final, TypeAlias
+
+import msgspec
+
+import rd2h_protocol.completion as completion_module
+import rd2h_protocol.consumer as consumer_module
+import rd2h_protocol.plan as plan_module
+import rd2h_protocol.producer as producer_module
+from rd2h_protocol.checker.model import (
+    Addr,
+    Frame,
+    RequestSpec,
+    WorldConfig,
+    _Rank,
+    _Read,
+    _Req,
+    _Static,
+)
+from rd2h_protocol.completion import CompletionStats
+from rd2h_protocol.consumer import ConsumerConfig, ConsumerStats
+from rd2h_protocol.layout import DestinationLayout, LayerLayout
+from rd2h_protocol.messages import MfMeta
+from rd2h_protocol.producer import ProducerConfig, ProducerStats
+
+# Objects shared by every snapshot instead of copied into each: index -> object.
+_SHARED: list[object] = []
+_SHARED_INDEX: dict[object, int] = {}  # ("id", id) or (type name, encoded value) -> index
+_SHARED_BY_ID: dict[int, int] = {}  # id of a shared object -> index (they live forever)
+
+
+def _shared(index: int) -> object:
+    return _SHARED[index]
+
+
+def _share(key: object, obj: object) -> int:
+    index = _SHARED_INDEX.get(key)
+    if index is None:
+        index = _SHARED_INDEX[key] = len(_SHARED)
+        _SHARED.append(obj)
+    shared = _SHARED[index]
+    _SHARED_BY_ID[id(shared)] = index
+    return index
+
+
+def _by_identity(obj: object) -> tuple[Callable[..., object], tuple[object, ...]]:
+    # Configurations are created once per world and never change: share them. The
+    # registry keeps them alive, so an id is never reused for another object.
+    index = _SHARED_BY_ID.get(id(obj))
+    if index is None or _SHARED[index] is not obj:
+        index = _share(("id", id(obj)), obj)
+    return _shared, (index,)
+
+
+def _by_content(obj: object) -> tuple[Callable[..., object], tuple[object, ...]]:
+    # Layouts decoded from each handshake are equal but distinct objects: share by value.
+    # Once shared, an object is found by its id (snapshots hand back the shared one).
+    index = _SHARED_BY_ID.get(id(obj))
+    if index is None or _SHARED[index] is not obj:
+        index = _share((type(obj).__name__, msgspec.msgpack.encode(obj)), obj)
+    return _shared, (index,)
+
+
+def _fresh(obj: object) -> tuple[Callable[..., object], tuple[object, ...]]:
+    return type(obj), ()
+
+
+_Reducer: TypeAlias = Callable[[Any], tuple[Callable[..., object], tuple[object, ...]]]
+
+
+def _positional(cls: type) -> _Reducer | None:
+    """A reducer that rebuilds a plain dataclass with its own ``__init__`` (fast, unlike
+    the generic path of slotted dataclasses), or None when ``__init__`` cannot do it."""
+    if not dataclasses.is_dataclass(cls) or hasattr(cls, "__post_init__"):
+        return None
+    fields = dataclasses.fields(cls)
+    if not fields or any(not f.init for f in fields):
+        return None
+    get = operator.attrgetter(*(f.name for f in fields))
+    if len(fields) == 1:
+        return lambda obj: (cls, (get(obj),))
+    return lambda obj: (cls, get(obj))
+
+
+class _DispatchTable(dict[type, _Reducer]):
+    """The snapshot pickler's reducers; a struct class made at run time (the consumer
+    builds bounded decoders that way) cannot be looked up by name, so it is written as its
+    nearest importable base class."""
+
+    def __missing__(self, cls: type) -> _Reducer:
+        if issubclass(cls, type):
+            raise KeyError(cls)  # classes are pickled by name
+        if not issubclass(cls, msgspec.Struct) or _importable(cls):
+            # The default way, remembered: a miss costs an exception every time.
+            self[cls] = _default_reduce
+            return _default_reduce
+        base = next(c for c in cls.__mro__[1:] if _importable(c))
+
+        def reducer(obj: Any) -> tuple[Callable[..., object], tuple[object, ...]]:
+            return _make_struct, (base, msgspec.structs.asdict(obj))
+
+        self[cls] = reducer
+        return reducer
+
+
+def _default_reduce(obj: Any) -> tuple[Callable[..., object], tuple[object, ...]]:
+    reduced: tuple[Callable[..., object], tuple[object, ...]] = obj.__reduce_ex__(
+        pickle.HIGHEST_PROTOCOL
+    )
+    return reduced
+
+
+def _importable(cls: type) -> bool:
+    module = sys.modules.get(cls.__module__)
+    return module is not None and getattr(module, cls.__qualname__, None) is cls
+
+
+def _make_struct(cls: type, fields: dict[str, object]) -> object:
+    return cls(**fields)
+
+
+def _dispatch_table() -> dict[type, _Reducer]:
+    table = _DispatchTable(
+        {
+            ProducerConfig: _by_identity,
+            ConsumerConfig: _by_identity,
+            WorldConfig: _by_identity,
+            _Static: _by_identity,
+            MfMeta: _by_content,
+            LayerLayout: _by_content,
+            DestinationLayout: _by_content,
+            ProducerStats: _fresh,
+            ConsumerStats: _fresh,
+            CompletionStats: _fresh,
+        }
+    )
+    for module in (producer_module, consumer_module, completion_module, plan_module):
+        for value in vars(module).values():
+            if isinstance(value, type) and value not in table:
+                reducer = _positional(value)
+                if reducer is not None:
+                    table[value] = reducer
+    for cls in (_Req, _Rank, _Read, RequestSpec):
+        reducer = _positional(cls)
+        assert reducer is not None
+        table[cls] = reducer
+    return table
+
+
+_DISPATCH: Final = _dispatch_table()
+
+
+def _connection_of(frame: Frame) -> tuple[Addr, Addr]:
+    return frame.src, frame.dst
