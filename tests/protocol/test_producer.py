@@ -141,14 +141,30 @@ def write_layers(ep: ProducerEndpoint, layers_: Sequence[int], now: float) -> li
     return out
 
 
+def chunk(
+    ext_id: str,
+    ids: list[int],
+    indexer: list[int] | None = None,
+    start: int = 0,
+    final: bool = True,
+) -> Chunk:
+    """A chunk whose indexer blocks are its main blocks unless given, both from ``start``."""
+    return Chunk(
+        ext_req_id=ext_id,
+        main_block_ids=ids,
+        indexer_block_ids=ids if indexer is None else indexer,
+        main_start=start,
+        indexer_start=start,
+        final=final,
+    )
+
+
 def one_request_ready(
     ep: ProducerEndpoint, ack: bytes = b"", final: bool = True
 ) -> list[ReadReadyBatch]:
     """r1 to the default engine, one chunk over every layer, handshake answered."""
     ep.add_request("r1", target(), 0.0)
-    ep.schedule_chunk(
-        Chunk(ext_req_id="r1", main_block_ids=[1, 2], indexer_block_ids=[3], final=final), 0.0
-    )
+    ep.schedule_chunk(chunk("r1", [1, 2], indexer=[3], final=final), 0.0)
     out = write_layers(ep, range(len(ep.config.layers)), 1.0)
     out += ep.receive(CONN, ack or ack_v2(), 1.0)
     return readiness(out)
@@ -195,9 +211,7 @@ def test_config_refuses_bad_rank() -> None:
 def test_v2_handshake_queues_readiness_then_flushes_it_with_seq_and_lease() -> None:
     ep = endpoint(2)
     ep.add_request("r1", target(), 0.0)
-    ep.schedule_chunk(
-        Chunk(ext_req_id="r1", main_block_ids=[1, 2], indexer_block_ids=[3], final=True), 0.0
-    )
+    ep.schedule_chunk(chunk("r1", [1, 2], indexer=[3]), 0.0)
     out = ep.layer_written(0, 1.0)
     assert out[0] == Connect(CONN, HOST, BASE_PORT)
     (meta,) = sends(out)
@@ -227,9 +241,7 @@ def test_v2_handshake_queues_readiness_then_flushes_it_with_seq_and_lease() -> N
 def test_v2_mf_meta_says_where_readiness_seqs_resume() -> None:
     ep = endpoint(2)
     ep.add_request("r1", target(), 0.0)
-    ep.schedule_chunk(
-        Chunk(ext_req_id="r1", main_block_ids=[1, 2], indexer_block_ids=[3], final=True), 0.0
-    )
+    ep.schedule_chunk(chunk("r1", [1, 2], indexer=[3]), 0.0)
     out = write_layers(ep, range(2), 1.0)
     (handshake,) = sends(out, MfMeta)
     out += ep.receive(CONN, ack_v2(), 1.0)
@@ -237,9 +249,7 @@ def test_v2_mf_meta_says_where_readiness_seqs_resume() -> None:
     assert [m.seq for m in msgs] == [handshake.first_seq, handshake.first_seq + 1]
     forced_v1 = endpoint(2, protocol="v1")
     forced_v1.add_request("r1", target(), 0.0)
-    forced_v1.schedule_chunk(
-        Chunk(ext_req_id="r1", main_block_ids=[1, 2], indexer_block_ids=[3], final=True), 0.0
-    )
+    forced_v1.schedule_chunk(chunk("r1", [1, 2], indexer=[3]), 0.0)
     (v1_meta,) = sends(write_layers(forced_v1, range(2), 1.0), MfMeta)
     assert v1_meta.first_seq is None and len(msgpack.unpackb(encode(v1_meta))) == 3
 
@@ -247,9 +257,7 @@ def test_v2_mf_meta_says_where_readiness_seqs_resume() -> None:
 def test_compat_string_travels_in_mf_meta() -> None:
     ep = endpoint(1, compat="glm5|bf16|bs128|layout1")
     ep.add_request("r1", target(), 0.0)
-    ep.schedule_chunk(
-        Chunk(ext_req_id="r1", main_block_ids=[1], indexer_block_ids=[1], final=True), 0.0
-    )
+    ep.schedule_chunk(chunk("r1", [1]), 0.0)
     (meta,) = sends(ep.layer_written(0, 0.0))
     assert meta.compat == "glm5|bf16|bs128|layout1"
 
@@ -269,9 +277,7 @@ def test_v1_peer_gets_v1_shapes_only() -> None:
 def test_forced_v1_sends_v1_mf_meta_and_ignores_v2_ack() -> None:
     ep = endpoint(1, protocol="v1")
     ep.add_request("r1", target(), 0.0)
-    ep.schedule_chunk(
-        Chunk(ext_req_id="r1", main_block_ids=[1], indexer_block_ids=[1], final=True), 0.0
-    )
+    ep.schedule_chunk(chunk("r1", [1]), 0.0)
     out = ep.layer_written(0, 0.0)
     meta_frame = encode(next(o.msg for o in out if isinstance(o, Send)))
     assert len(msgpack.unpackb(meta_frame)) == 3
@@ -296,12 +302,8 @@ def test_slow_handshake_blocks_only_its_own_connection() -> None:
     ep = endpoint(1)
     ep.add_request("r1", target(), 0.0)
     ep.add_request("r2", target(base_port=OTHER_PORT), 0.0)
-    ep.schedule_chunk(
-        Chunk(ext_req_id="r1", main_block_ids=[1], indexer_block_ids=[1], final=True), 0.0
-    )
-    ep.schedule_chunk(
-        Chunk(ext_req_id="r2", main_block_ids=[2], indexer_block_ids=[2], final=True), 0.0
-    )
+    ep.schedule_chunk(chunk("r1", [1]), 0.0)
+    ep.schedule_chunk(chunk("r2", [2]), 0.0)
     out = ep.layer_written(0, 1.0)
     assert [o for o in out if isinstance(o, Connect)] == [
         Connect(CONN, HOST, BASE_PORT),
@@ -328,9 +330,7 @@ def test_slow_handshake_blocks_only_its_own_connection() -> None:
 
     # The next request to OTHER starts a new handshake on the same DEALER (no Connect).
     ep.add_request("r3", target(base_port=OTHER_PORT), 13.0)
-    ep.schedule_chunk(
-        Chunk(ext_req_id="r3", main_block_ids=[1], indexer_block_ids=[1], final=True), 0.0
-    )
+    ep.schedule_chunk(chunk("r3", [1]), 0.0)
     out = ep.layer_written(0, 13.0)
     assert not any(isinstance(o, Connect) for o in out)
     assert isinstance(sends(out)[0], MfMeta)
@@ -340,9 +340,7 @@ def test_slow_handshake_blocks_only_its_own_connection() -> None:
 def test_refused_handshake_fails_queued_and_later_requests_at_once() -> None:
     ep = endpoint(1)
     ep.add_request("r1", target(), 0.0)
-    ep.schedule_chunk(
-        Chunk(ext_req_id="r1", main_block_ids=[1], indexer_block_ids=[1], final=True), 0.0
-    )
+    ep.schedule_chunk(chunk("r1", [1]), 0.0)
     ep.layer_written(0, 0.0)
     refusal = Ack(
         protocol_version=2,
@@ -360,9 +358,7 @@ def test_refused_handshake_fails_queued_and_later_requests_at_once() -> None:
     ep.end_step(0.6)
 
     ep.add_request("r2", target(), 1.0)
-    ep.schedule_chunk(
-        Chunk(ext_req_id="r2", main_block_ids=[1], indexer_block_ids=[1], final=True), 0.0
-    )
+    ep.schedule_chunk(chunk("r2", [1]), 0.0)
     out = ep.layer_written(0, 1.0)
     assert sends(out) == []
     assert opened(out) == [0, 1]
@@ -374,20 +370,14 @@ def test_refused_handshake_fails_queued_and_later_requests_at_once() -> None:
 def test_refused_connection_does_not_report_a_gate_another_connection_holds() -> None:
     ep = endpoint(1)
     ep.add_request("a", target(), 0.0)
-    ep.schedule_chunk(
-        Chunk(ext_req_id="a", main_block_ids=[1], indexer_block_ids=[1], final=True), 0.0
-    )
+    ep.schedule_chunk(chunk("a", [1]), 0.0)
     ep.layer_written(0, 0.0)
     ep.receive(CONN, encode(Ack(protocol_version=2, error_code=13, error="compat")), 0.1)
     ep.end_step(0.2)
     ep.add_request("b", target(), 1.0)  # to the refused endpoint
     ep.add_request("c", target(base_port=OTHER_PORT), 1.0)
-    ep.schedule_chunk(
-        Chunk(ext_req_id="b", main_block_ids=[1], indexer_block_ids=[1], final=True), 0.0
-    )
-    ep.schedule_chunk(
-        Chunk(ext_req_id="c", main_block_ids=[1], indexer_block_ids=[1], final=True), 0.0
-    )
+    ep.schedule_chunk(chunk("b", [1]), 0.0)
+    ep.schedule_chunk(chunk("c", [1]), 0.0)
     out = ep.layer_written(0, 1.0)
     assert opened(out) == []  # c's publication still holds the storage
     assert finished(out)["b"].code == ErrorCode.INCOMPATIBLE
@@ -397,9 +387,7 @@ def test_refused_connection_does_not_report_a_gate_another_connection_holds() ->
 def test_refusal_without_reason_still_says_who_refused() -> None:
     ep = endpoint(1)
     ep.add_request("r1", target(), 0.0)
-    ep.schedule_chunk(
-        Chunk(ext_req_id="r1", main_block_ids=[1], indexer_block_ids=[1], final=True), 0.0
-    )
+    ep.schedule_chunk(chunk("r1", [1]), 0.0)
     ep.layer_written(0, 0.0)
     out = ep.receive(CONN, encode(Ack(protocol_version=2, error_code=13)), 0.5)
     assert CONN in finished(out)["r1"].message
@@ -422,9 +410,7 @@ def test_ack_outside_a_handshake_is_dropped() -> None:
 def test_unequal_tp_four_to_two() -> None:
     ep = endpoint(1, p_rank=3, p_tp=4)
     ep.add_request("r1", target(d_tp=2), 0.0)
-    ep.schedule_chunk(
-        Chunk(ext_req_id="r1", main_block_ids=[1], indexer_block_ids=[1], final=True), 0.0
-    )
+    ep.schedule_chunk(chunk("r1", [1]), 0.0)
     out = ep.layer_written(0, 0.0)
     assert out[0] == Connect(f"{HOST}:{BASE_PORT + 1}", HOST, BASE_PORT + 1)
     (msg,) = readiness(ep.receive(f"{HOST}:{BASE_PORT + 1}", ack_v2(), 0.1))
@@ -437,12 +423,8 @@ def test_two_decode_engines_with_different_tp_get_their_own_identity() -> None:
     engine_b = target(d_tp=1, base_port=OTHER_PORT)  # ratio 4: d_rank 0, member 3
     ep.add_request("a", engine_a, 0.0)
     ep.add_request("b", engine_b, 0.0)
-    ep.schedule_chunk(
-        Chunk(ext_req_id="a", main_block_ids=[1], indexer_block_ids=[1], final=True), 0.0
-    )
-    ep.schedule_chunk(
-        Chunk(ext_req_id="b", main_block_ids=[2], indexer_block_ids=[2], final=True), 0.0
-    )
+    ep.schedule_chunk(chunk("a", [1]), 0.0)
+    ep.schedule_chunk(chunk("b", [2]), 0.0)
     ep.layer_written(0, 0.0)
     conn_a = f"{HOST}:{BASE_PORT + 3}"
     assert set(ep.connections()) == {conn_a, OTHER}
@@ -475,12 +457,8 @@ def test_reuse_ring_waits_for_every_endpoint_of_the_previous_owner() -> None:
     assert [ep.layer_slots(i) for i in range(4)] == [(0, 1), (2, 3), (4, 5), (0, 1)]
     ep.add_request("a", target(), 0.0)
     ep.add_request("b", target(base_port=OTHER_PORT), 0.0)
-    ep.schedule_chunk(
-        Chunk(ext_req_id="a", main_block_ids=[1, 2], indexer_block_ids=[1], final=True), 0.0
-    )
-    ep.schedule_chunk(
-        Chunk(ext_req_id="b", main_block_ids=[3], indexer_block_ids=[2], final=True), 0.0
-    )
+    ep.schedule_chunk(chunk("a", [1, 2], indexer=[1]), 0.0)
+    ep.schedule_chunk(chunk("b", [3], indexer=[2]), 0.0)
     write_layers(ep, [0, 1, 2], 1.0)
     msgs = {
         CONN: readiness(ep.receive(CONN, ack_v2(), 1.0)),
@@ -640,12 +618,8 @@ def test_lease_expiry_with_two_endpoints_aborts_both_before_reopening() -> None:
     ep = endpoint(1)
     ep.add_request("a", target(), 0.0)
     ep.add_request("b", target(base_port=OTHER_PORT), 0.0)
-    ep.schedule_chunk(
-        Chunk(ext_req_id="a", main_block_ids=[1], indexer_block_ids=[1], final=True), 0.0
-    )
-    ep.schedule_chunk(
-        Chunk(ext_req_id="b", main_block_ids=[2], indexer_block_ids=[2], final=True), 0.0
-    )
+    ep.schedule_chunk(chunk("a", [1]), 0.0)
+    ep.schedule_chunk(chunk("b", [2]), 0.0)
     ep.layer_written(0, 1.0)
     ep.receive(CONN, ack_v2(), 1.0)
     ep.receive(OTHER, ack_v2(), 1.0)
@@ -677,9 +651,7 @@ def test_v1_lease_expiry_reopen_is_v1s_unsafe_behaviour() -> None:
 def test_lease_expiry_of_readiness_that_never_left() -> None:
     ep = endpoint(1, lease_ms=1000)
     ep.add_request("r1", target(), 0.0)
-    ep.schedule_chunk(
-        Chunk(ext_req_id="r1", main_block_ids=[1], indexer_block_ids=[1], final=True), 0.0
-    )
+    ep.schedule_chunk(chunk("r1", [1]), 0.0)
     ep.layer_written(0, 0.0)
     out = ep.handle_timer(1.0)  # the handshake (10 s) is still running
     assert sends(out) == []  # nothing was on the wire, nothing to abort
@@ -693,9 +665,7 @@ def test_lease_expiry_of_readiness_that_never_left() -> None:
 def test_readiness_whose_lease_ran_out_during_the_handshake_is_not_sent() -> None:
     ep = endpoint(1, lease_ms=1000)
     ep.add_request("r1", target(), 0.0)
-    ep.schedule_chunk(
-        Chunk(ext_req_id="r1", main_block_ids=[1], indexer_block_ids=[1], final=True), 0.0
-    )
+    ep.schedule_chunk(chunk("r1", [1]), 0.0)
     ep.layer_written(0, 0.0)
     out = ep.receive(CONN, ack_v2(), 1.0)  # the ACK comes before the lease timer runs
     assert readiness(out) == []  # lease_ms 0 would let Decode read a reopened storage
@@ -760,9 +730,7 @@ def test_isolated_failures_fail_only_their_requests() -> None:
     ep = endpoint(2)
     for ext_id in ("r1", "r2", "r3"):
         ep.add_request(ext_id, target(), 0.0)
-        ep.schedule_chunk(
-            Chunk(ext_req_id=ext_id, main_block_ids=[1], indexer_block_ids=[1], final=True), 0.0
-        )
+        ep.schedule_chunk(chunk(ext_id, [1]), 0.0)
     ep.layer_written(0, 1.0)
     (m0,) = readiness(ep.receive(CONN, ack_v2(), 1.0))
     bad = [
@@ -879,12 +847,8 @@ def test_abort_stops_publishing_and_tells_a_v2_peer() -> None:
     ep = endpoint(2)
     ep.add_request("r1", target(), 0.0)
     ep.add_request("r2", target(), 0.0)
-    ep.schedule_chunk(
-        Chunk(ext_req_id="r1", main_block_ids=[1], indexer_block_ids=[1], final=True), 0.0
-    )
-    ep.schedule_chunk(
-        Chunk(ext_req_id="r2", main_block_ids=[2], indexer_block_ids=[2], final=True), 0.0
-    )
+    ep.schedule_chunk(chunk("r1", [1]), 0.0)
+    ep.schedule_chunk(chunk("r2", [2]), 0.0)
     ep.layer_written(0, 1.0)
     (m0,) = readiness(ep.receive(CONN, ack_v2(), 1.0))
     out = ep.abort(["r1", "nope"], "aborted by Prefill", 1.5)
@@ -901,9 +865,7 @@ def test_abort_stops_publishing_and_tells_a_v2_peer() -> None:
     assert (r1.ok, r1.code) == (False, ErrorCode.ABORTED)
     # r1 is forgotten now: a chunk for it is the caller's mistake.
     with pytest.raises(LocalProtocolError, match="not registered"):
-        ep.schedule_chunk(
-            Chunk(ext_req_id="r1", main_block_ids=[1], indexer_block_ids=[1], final=True), 0.0
-        )
+        ep.schedule_chunk(chunk("r1", [1]), 0.0)
     assert finished(ep.receive(CONN, done(m1), 3.0))["r2"].ok
     ep.end_step(3.0)
     assert ep.is_idle()
@@ -921,36 +883,20 @@ def test_abort_toward_v1_peer_and_before_any_chunk() -> None:
 def test_chunks_for_an_ending_request_are_ignored() -> None:
     ep = endpoint(2)
     ep.add_request("r1", target(), 0.0)
-    ep.schedule_chunk(
-        Chunk(ext_req_id="r1", main_block_ids=[1], indexer_block_ids=[1], final=False), 0.0
-    )
+    ep.schedule_chunk(chunk("r1", [1], final=False), 0.0)
     ep.layer_written(0, 0.0)
     ep.abort(["r1"], "aborted by Prefill", 0.5)
     assert ep.end_step(0.5) == []  # aborting already: not failed for the missing layer
     assert (
         ep.schedule_chunk(
-            Chunk(
-                ext_req_id="r1",
-                main_block_ids=[2],
-                indexer_block_ids=[2],
-                main_start=1,
-                indexer_start=1,
-                final=False,
-            ),
+            chunk("r1", [2], start=1, final=False),
             0.0,
         )
         == []
     )
     assert (
         ep.schedule_chunk(
-            Chunk(
-                ext_req_id="r1",
-                main_block_ids=[3],
-                indexer_block_ids=[3],
-                main_start=2,
-                indexer_start=2,
-                final=True,
-            ),
+            chunk("r1", [3], start=2),
             0.0,
         )
         == []
@@ -1114,9 +1060,7 @@ def test_a_silent_peer_holding_storage_is_declared_dead() -> None:
     # The next publication hand-shakes again on a new connection.
     ep.end_step(36.0)
     ep.add_request("r2", target(), 40.0)
-    ep.schedule_chunk(
-        Chunk(ext_req_id="r2", main_block_ids=[1], indexer_block_ids=[1], final=True), 0.0
-    )
+    ep.schedule_chunk(chunk("r2", [1]), 0.0)
     out = write_layers(ep, [0], 40.0)
     assert isinstance(out[0], Connect) and isinstance(sends(out)[0], MfMeta)
 
@@ -1164,12 +1108,8 @@ def test_held_v1_gate_waits_for_every_endpoint_of_the_layer() -> None:
     ep = endpoint(1)
     ep.add_request("a", target(), 0.0)
     ep.add_request("b", target(base_port=OTHER_PORT), 0.0)
-    ep.schedule_chunk(
-        Chunk(ext_req_id="a", main_block_ids=[1], indexer_block_ids=[1], final=True), 0.0
-    )
-    ep.schedule_chunk(
-        Chunk(ext_req_id="b", main_block_ids=[2], indexer_block_ids=[2], final=True), 0.0
-    )
+    ep.schedule_chunk(chunk("a", [1]), 0.0)
+    ep.schedule_chunk(chunk("b", [2]), 0.0)
     ep.layer_written(0, 1.0)
     (ma,) = readiness(ep.receive(CONN, ACK_V1_FRAME, 1.0))
     (_mb,) = readiness(ep.receive(OTHER, ACK_V1_FRAME, 1.0))
@@ -1285,9 +1225,7 @@ def test_rehandshake_timeout_under_reopen_policy_reopens_untold() -> None:
 def publish_one(ep: ProducerEndpoint, ext_id: str, now: float) -> list[Output]:
     """Register ``ext_id`` to the default engine and publish its one layer at ``now``."""
     ep.add_request(ext_id, target(), now)
-    ep.schedule_chunk(
-        Chunk(ext_req_id=ext_id, main_block_ids=[1], indexer_block_ids=[1], final=True), 0.0
-    )
+    ep.schedule_chunk(chunk(ext_id, [1]), 0.0)
     out = ep.layer_written(0, now)
     ep.end_step(now)
     return out
@@ -1413,9 +1351,7 @@ def test_connection_lost_for_a_name_never_opened_is_the_callers_mistake() -> Non
 def test_chunked_request_sends_done_only_with_the_final_chunks_last_layer() -> None:
     ep = endpoint(2)
     ep.add_request("r1", target(), 0.0)
-    ep.schedule_chunk(
-        Chunk(ext_req_id="r1", main_block_ids=[1, 2], indexer_block_ids=[1], final=False), 0.0
-    )
+    ep.schedule_chunk(chunk("r1", [1, 2], indexer=[1], final=False), 0.0)
     out = write_layers(ep, [0, 1], 1.0)
     out += ep.receive(CONN, ack_v2(), 1.0)
     step1 = readiness(out)
@@ -1451,9 +1387,7 @@ def test_chunked_request_sends_done_only_with_the_final_chunks_last_layer() -> N
 def test_final_chunk_without_new_blocks_sends_only_the_done_id() -> None:
     ep = endpoint(2)
     ep.add_request("r1", target(), 0.0)
-    ep.schedule_chunk(
-        Chunk(ext_req_id="r1", main_block_ids=[], main_start=4, indexer_start=4, final=True), 0.0
-    )
+    ep.schedule_chunk(chunk("r1", [], indexer=(), start=4), 0.0)
     out = write_layers(ep, [0, 1], 1.0)
     assert ep.gates()[0] == ("open", 0)  # layer 0 published nothing
     (msg,) = readiness(out + ep.receive(CONN, ack_v2(), 1.0))
@@ -1465,9 +1399,7 @@ def test_end_step_with_missing_layers_fails_its_requests_with_step_incomplete() 
     ep = endpoint(3)
     ep.add_request("r1", target(), 0.0)
     ep.add_request("idle", target(), 0.0)
-    ep.schedule_chunk(
-        Chunk(ext_req_id="r1", main_block_ids=[1], indexer_block_ids=[1], final=True), 0.0
-    )
+    ep.schedule_chunk(chunk("r1", [1]), 0.0)
     out = write_layers(ep, [0], 1.0)
     (m0,) = readiness(out + ep.receive(CONN, ack_v2(), 1.0))
     assert ep.end_step(1.5) == []  # failing, but layer 0 is still out
@@ -1481,9 +1413,7 @@ def test_local_misuse_raises() -> None:
     ep = endpoint(3)
     ep.add_request("r1", target(), 0.0)
     with pytest.raises(LocalProtocolError, match="not registered"):
-        ep.schedule_chunk(
-            Chunk(ext_req_id="nope", main_block_ids=[1], indexer_block_ids=[1], final=False), 0.0
-        )
+        ep.schedule_chunk(chunk("nope", [1], final=False), 0.0)
     with pytest.raises(LocalProtocolError, match="start blocks"):
         ep.schedule_chunk(
             Chunk(
@@ -1496,20 +1426,12 @@ def test_local_misuse_raises() -> None:
             0.0,
         )
     with pytest.raises(LocalProtocolError, match="block ids"):
-        ep.schedule_chunk(
-            Chunk(ext_req_id="r1", main_block_ids=[1, -2], indexer_block_ids=[1], final=False), 0.0
-        )
+        ep.schedule_chunk(chunk("r1", [1, -2], indexer=[1], final=False), 0.0)
     with pytest.raises(LocalProtocolError, match="block ids"):
-        ep.schedule_chunk(
-            Chunk(ext_req_id="r1", main_block_ids=[1], indexer_block_ids=[-1], final=False), 0.0
-        )
-    ep.schedule_chunk(
-        Chunk(ext_req_id="r1", main_block_ids=[1], indexer_block_ids=[1], final=False), 0.0
-    )
+        ep.schedule_chunk(chunk("r1", [1], indexer=[-1], final=False), 0.0)
+    ep.schedule_chunk(chunk("r1", [1], final=False), 0.0)
     with pytest.raises(LocalProtocolError, match="twice"):
-        ep.schedule_chunk(
-            Chunk(ext_req_id="r1", main_block_ids=[1], indexer_block_ids=[1], final=False), 0.0
-        )
+        ep.schedule_chunk(chunk("r1", [1], final=False), 0.0)
     with pytest.raises(LocalProtocolError, match="outside"):
         ep.layer_written(3, 0.0)
     with pytest.raises(LocalProtocolError, match="outside"):
@@ -1520,9 +1442,7 @@ def test_local_misuse_raises() -> None:
             ep.layer_written(layer, 0.0)
     ep.add_request("r2", target(), 0.0)
     with pytest.raises(LocalProtocolError, match="before the step's first"):
-        ep.schedule_chunk(
-            Chunk(ext_req_id="r2", main_block_ids=[1], indexer_block_ids=[1], final=False), 0.0
-        )
+        ep.schedule_chunk(chunk("r2", [1], final=False), 0.0)
     ep.layer_written(2, 0.0)
     ep.end_step(0.0)
     # A final chunk closes the request's schedule.
@@ -1531,14 +1451,7 @@ def test_local_misuse_raises() -> None:
     ep.end_step(1.0)
     with pytest.raises(LocalProtocolError, match="LOCAL_CHUNK is not allowed in state final_sent"):
         ep.schedule_chunk(
-            Chunk(
-                ext_req_id="r1",
-                main_block_ids=[2],
-                indexer_block_ids=[2],
-                main_start=1,
-                indexer_start=1,
-                final=False,
-            ),
+            chunk("r1", [2], start=1, final=False),
             0.0,
         )
 
