@@ -37,7 +37,7 @@ from rd2h_runtime.transfer import create_backend
 
 MIB = 1 << 20
 DEFAULT_LAYERS = (20 * MIB, 256 * MIB)
-DEFAULT_BACKENDS = ("loopback", "nixl", "mooncake", "memfabric")
+DEFAULT_BACKENDS = ("loopback", "cma", "nixl", "mooncake", "memfabric")
 
 
 @dataclass(frozen=True)

@@ -63,6 +63,7 @@ ROLES: Final = ("prefill", "decode")
 # imported only when the backend is created, so `import rd2h_runtime` never loads an engine.
 BACKENDS: Final[dict[str, tuple[str, str, str | None, str | None]]] = {
     "loopback": ("rd2h_runtime.transfer.loopback", "LoopbackBackend", None, None),
+    "cma": ("rd2h_runtime.transfer.cma_backend", "CmaBackend", None, None),
     "nixl": ("rd2h_runtime.transfer.nixl_backend", "NixlBackend", "nixl", "nixl"),
     "mooncake": (
         "rd2h_runtime.transfer.mooncake_backend",
