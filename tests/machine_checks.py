@@ -1,13 +1,13 @@
 """Checks every MachineSpec of the bindings gets: its table is its transitions.Machine.
 
-Each test module of a bindings machine calls :func:`pairs` to parametrize and the
-``check_*`` functions on every (state, input) pair of its machines.
+Each test module of bindings machines takes its two table tests from
+:func:`table_tests`, and checks the code steps them with :func:`record`.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
@@ -39,6 +39,22 @@ def check_pair(spec: MachineSpec, state: str, event: str) -> None:
             spec.step(state, event)
         return
     assert spec.step(state, event)[1] == model.state
+
+
+def table_tests(machines: Sequence[MachineSpec]) -> tuple[Callable[..., None], ...]:
+    """The two table tests of ``machines``, to bind to ``test_*`` names of a module."""
+
+    @pytest.mark.parametrize(("spec", "state", "event"), pairs(machines))
+    def test_table_agrees_with_machine_on_every_pair(
+        spec: MachineSpec, state: str, event: str
+    ) -> None:
+        check_pair(spec, state, event)
+
+    @pytest.mark.parametrize("spec", machines, ids=lambda m: m.name)
+    def test_declarations_are_well_formed(spec: MachineSpec) -> None:
+        check_well_formed(spec)
+
+    return test_table_agrees_with_machine_on_every_pair, test_declarations_are_well_formed
 
 
 def check_well_formed(spec: MachineSpec) -> None:

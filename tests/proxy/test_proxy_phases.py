@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 from proxy_harness import async_test, cluster
 
-from rd2h_protocol._machine import MachineSpec
 from rd2h_runtime.proxy import registry
 from rd2h_runtime.proxy.payloads import COMPLETIONS
 from rd2h_runtime.proxy.phases import (
@@ -21,17 +20,11 @@ from rd2h_runtime.proxy.phases import (
     PROXY_MACHINES,
     PROXY_REQUEST,
 )
-from tests.machine_checks import Recording, check_pair, check_well_formed, pairs, record
+from tests.machine_checks import Recording, record, table_tests
 
-
-@pytest.mark.parametrize(("spec", "state", "event"), pairs(PROXY_MACHINES))
-def test_table_agrees_with_machine_on_every_pair(spec: MachineSpec, state: str, event: str) -> None:
-    check_pair(spec, state, event)
-
-
-@pytest.mark.parametrize("spec", PROXY_MACHINES, ids=lambda m: m.name)
-def test_declarations_are_well_formed(spec: MachineSpec) -> None:
-    check_well_formed(spec)
+test_table_agrees_with_machine_on_every_pair, test_declarations_are_well_formed = table_tests(
+    PROXY_MACHINES
+)
 
 
 def test_a_post_after_the_dispatch_started_is_refused_by_the_table() -> None:

@@ -8,7 +8,6 @@ import typing
 import pytest
 from worker_pair import HOST, RecordingBackend, closing, prefill_worker
 
-from rd2h_protocol._machine import MachineSpec
 from rd2h_protocol.producer import DecodeTarget
 from rd2h_runtime import prefill
 from rd2h_runtime.connection_health import (
@@ -27,21 +26,16 @@ from rd2h_runtime.connection_health import (
 )
 from rd2h_runtime.control import ConnectionEvent, ControlOptions
 from rd2h_runtime.control._common import ConnectionKind
-from tests.machine_checks import check_pair, check_well_formed, pairs, record
+from tests.machine_checks import record, table_tests
 
 pytestmark = pytest.mark.timeout(30)
 
 GRACE_S = 0.3
 
 
-@pytest.mark.parametrize(("spec", "state", "event"), pairs(RUNTIME_MACHINES))
-def test_table_agrees_with_machine_on_every_pair(spec: MachineSpec, state: str, event: str) -> None:
-    check_pair(spec, state, event)
-
-
-@pytest.mark.parametrize("spec", RUNTIME_MACHINES, ids=lambda m: m.name)
-def test_declarations_are_well_formed(spec: MachineSpec) -> None:
-    check_well_formed(spec)
+test_table_agrees_with_machine_on_every_pair, test_declarations_are_well_formed = table_tests(
+    RUNTIME_MACHINES
+)
 
 
 def test_every_monitor_event_kind_has_a_row_in_every_state() -> None:
