@@ -55,6 +55,21 @@ from rd2h_protocol.producer import (
     RequestFinished,
     Send,
 )
+from rd2h_runtime.connection_health import (
+    DECODE_CONNECTION_HEALTH,
+    EFFECT_LOSE,
+    EFFECT_RESUME,
+    EFFECT_START_GRACE,
+    H_LOCAL_CONNECT_FAILED,
+    H_LOCAL_DECLARED_DEAD,
+    H_RECV_BREAK_UNWATCHED,
+    H_RECV_CONNECTED,
+    H_RECV_DISCONNECTED,
+    H_RECV_HANDSHAKE_FAILED,
+    H_TIMER_GRACE_OVER,
+    HEALTH_BROKEN,
+    HEALTH_UP,
+)
 from rd2h_runtime.control import (
     ClientEvent,
     ConnectionEvent,
@@ -75,6 +90,14 @@ log = logging.getLogger("rd2h_runtime.prefill")
 #: How many readiness -> reply round trips a worker keeps for percentiles.
 ROUND_TRIP_SAMPLES: Final = 8192
 
+#: The Decode connection health input of each socket monitor event kind (when watched).
+HEALTH_INPUTS: Final[dict[str, str]] = {
+    "connected": H_RECV_CONNECTED,
+    "disconnected": H_RECV_DISCONNECTED,
+    "handshake_failed": H_RECV_HANDSHAKE_FAILED,
+    "connect_failed": H_LOCAL_CONNECT_FAILED,
+}
+
 
 def layout_regions(layers: Iterable[tuple[str, LayerLayout]]) -> list[tuple[int, int]]:
     """The memory regions a set of Prefill layer layouts exposes: ``(addr, length)`` each.
@@ -94,6 +117,14 @@ def layout_regions(layers: Iterable[tuple[str, LayerLayout]]) -> list[tuple[int,
         for i, base in enumerate(layout.base_addrs):
             regions.append((base, layout.num_blocks * layout.block_bytes(i)))
     return regions
+
+
+@dataclass(slots=True)
+class _Health:
+    """One Decode connection's :data:`DECODE_CONNECTION_HEALTH` state (lock held)."""
+
+    state: str = HEALTH_UP
+    broke_at: float = 0.0  # when it last entered HEALTH_BROKEN
 
 
 @dataclass(slots=True)
@@ -163,8 +194,8 @@ class PrefillWorker(EndpointWorker[Output, RequestFinished, str, ClientEvent]):
         super().__init__(backend, own_backend, on_finished)
         self._declare_dead = declare_dead_on_disconnect
         self._grace_s = (control_options or ControlOptions()).reconnect_grace_s
-        # Decode endpoints whose connection broke -> when they count as lost (lock held).
-        self._broken: dict[str, float] = {}
+        # Decode endpoint -> the health of its connection (lock held).
+        self._health: dict[str, _Health] = {}
         self._finished: dict[str, RequestFinished] = {}
         self.metrics = PrefillMetrics()
         # Readiness -> reply times of the latest publications (seconds), for percentiles.
@@ -385,7 +416,7 @@ class PrefillWorker(EndpointWorker[Output, RequestFinished, str, ClientEvent]):
                 self._round_trips.append(out.round_trip_s)
             elif isinstance(out, Disconnect):
                 # The endpoint declared a silent peer dead: a fresh DEALER next time.
-                self._broken.pop(out.conn, None)
+                self._health_step(out.conn, H_LOCAL_DECLARED_DEAD)
                 self._control.disconnect(out.conn)
                 log.warning(
                     "Decode endpoint %s: nothing heard for %.1f s while it held storage; "
@@ -411,27 +442,38 @@ class PrefillWorker(EndpointWorker[Output, RequestFinished, str, ClientEvent]):
     def _next_timer(self) -> float | None:
         """The endpoint's next deadline or the end of a reconnect grace, the earlier."""
         due = self._endpoint.get_timer()
-        if self._broken:
-            grace_end = min(self._broken.values())
+        grace_end = min(
+            (h.broke_at + self._grace_s for h in self._health.values() if h.state == HEALTH_BROKEN),
+            default=None,
+        )
+        if grace_end is not None:
             due = grace_end if due is None else min(due, grace_end)
         return due
+
+    def _health_step(self, conn: str, event: str) -> tuple[str, _Health]:
+        """Step ``conn``'s :data:`DECODE_CONNECTION_HEALTH`; return the effect. Lock held."""
+        health = self._health.setdefault(conn, _Health())
+        effect, health.state = DECODE_CONNECTION_HEALTH.step(health.state, event)
+        return effect, health
 
     def _connection_event(self, event: ConnectionEvent[str], now: float) -> list[RequestFinished]:
         """A Decode connection came up, broke, or could not be made. Lock held.
 
         A broken connection gets ``reconnect_grace_s`` to come back before it counts as
-        lost; a DEALER that cannot even be created counts as lost at once.
+        lost; a DEALER that cannot even be created counts as lost at once. A break is
+        acted on only for a watched connection (see :mod:`rd2h_runtime.connection_health`).
         """
         conn = event.conn
-        if event.kind == "connected":
-            broke_at = self._broken.pop(conn, None)
-            if broke_at is None:
-                return []
+        health_input = HEALTH_INPUTS[event.kind]
+        if event.kind != "connected":
+            self.metrics.disconnects += 1
+            if not self._declare_dead or conn not in self._endpoint.connections():
+                health_input = H_RECV_BREAK_UNWATCHED
+        effect, health = self._health_step(conn, health_input)
+        if effect == EFFECT_RESUME:
             self.metrics.reconnects += 1
             log.info(
-                "Decode endpoint %s: connection back after %.1f s",
-                conn,
-                now - (broke_at - self._grace_s),
+                "Decode endpoint %s: connection back after %.1f s", conn, now - health.broke_at
             )
             # What was in flight may have gone down with the old connection.
             return self._execute(
@@ -442,28 +484,27 @@ class PrefillWorker(EndpointWorker[Output, RequestFinished, str, ClientEvent]):
                     {"conn": conn},
                 )
             )
-        self.metrics.disconnects += 1
-        if not self._declare_dead or conn not in self._endpoint.connections():
-            return []
-        if event.kind == "connect_failed":
-            return self._connection_lost(conn, f"cannot be opened ({event.address})", now)
-        if conn not in self._broken:
+        if effect == EFFECT_START_GRACE:
             log.warning(
                 "Decode endpoint %s: connection %s; waiting %.1f s for it to come back",
                 conn,
                 event.kind,
                 self._grace_s,
             )
-            self._broken[conn] = now + self._grace_s
+            health.broke_at = now
             self._control.set_timer(self._next_timer())
+        elif effect == EFFECT_LOSE:
+            return self._connection_lost(conn, f"cannot be opened ({event.address})", now)
         return []
 
     def _grace_over(self, now: float) -> list[RequestFinished]:
         """Declare lost every broken connection whose grace ran out. Lock held."""
         finished: list[RequestFinished] = []
-        for conn, deadline in list(self._broken.items()):
-            if deadline <= now:
-                del self._broken[conn]
+        for conn, health in list(self._health.items()):
+            if health.state != HEALTH_BROKEN or health.broke_at + self._grace_s > now:
+                continue
+            effect, _ = self._health_step(conn, H_TIMER_GRACE_OVER)
+            if effect == EFFECT_LOSE:
                 reason = f"broken and not back within {self._grace_s:.1f} s"
                 finished += self._connection_lost(conn, reason, now)
         return finished

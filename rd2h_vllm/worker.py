@@ -46,6 +46,9 @@ hand its blocks out again right after). A request that failed on any rank is als
 in ``failed_recving`` and, when the model has one KV-cache group, its main and indexer
 blocks in ``get_block_ids_with_load_errors`` (vLLM 0.32 refuses block-level errors with
 several groups: there the request-level ``failed_recving`` is the report).
+
+What each half tracks per request changes only by stepping the ``vLLM send`` and ``vLLM
+load`` machines declared in :mod:`rd2h_vllm.request_machines`.
 """
 
 from __future__ import annotations
@@ -87,6 +90,35 @@ from rd2h_vllm.destinations import (
 )
 from rd2h_vllm.kv_layout import cache_arrays, describe
 from rd2h_vllm.metrics import CounterDelta, Rd2hKVConnectorStats
+from rd2h_vllm.request_machines import (
+    EFFECT_ABORT,
+    EFFECT_RELEASE,
+    EFFECT_REPORT_LOCAL,
+    EFFECT_SCHEDULE,
+    L_LOCAL_ADD_FAILED,
+    L_LOCAL_ADDED,
+    L_LOCAL_COMPLETED,
+    L_LOCAL_DUPLICATE,
+    L_LOCAL_FAIL,
+    L_LOCAL_QUIESCENT,
+    LOAD_FINISHED,
+    LOAD_NEW,
+    LOAD_RELEASE_PENDING,
+    LOAD_RELEASED,
+    S_LOCAL_BAD_CHUNK,
+    S_LOCAL_CHUNK,
+    S_LOCAL_CHUNK_AFTER_END,
+    S_LOCAL_FINAL_CHUNK,
+    S_LOCAL_NOT_REGISTERED,
+    S_LOCAL_REGISTERED,
+    S_LOCAL_VLLM_FINISHED,
+    S_RECV_FINISHED,
+    SEND_DONE,
+    SEND_NEW,
+    SEND_VLLM_FINISHED,
+    VLLM_LOAD,
+    VLLM_SEND,
+)
 from rd2h_vllm.scheduler import CacheGroups, LoadSpec, Rd2hConnectorMetadata, SendAbort, SendSpec
 from rd2h_vllm.scheduler import DecodeTarget as DecodeEngine
 
@@ -290,10 +322,12 @@ class _Send:
 
     req_id: str
     ext_id: str
-    registered: bool  # known to the endpoint
-    final_scheduled: bool = False
-    vllm_finished: bool = False
-    outcome: RequestFinished | None = None
+    state: str = SEND_NEW  # of VLLM_SEND, changed only by step()
+
+    def step(self, event: str) -> str:
+        """Step :data:`VLLM_SEND`; return the effect."""
+        effect, self.state = VLLM_SEND.step(self.state, event)
+        return effect
 
 
 class _Publisher:
@@ -431,7 +465,7 @@ class PrefillSide:
 
     def sending(self) -> dict[str, bool]:
         """``{req_id: vLLM finished it}`` of every request still tracked."""
-        return {r: s.vllm_finished for r, s in self._sends.items()}
+        return {r: s.state in SEND_VLLM_FINISHED for r, s in self._sends.items()}
 
     def is_idle(self) -> bool:
         """Nothing tracked here nor in the endpoint."""
@@ -478,9 +512,12 @@ class PrefillSide:
             state = self._sends.get(send.req_id)
             if state is None:
                 state = self._register(send)
-            if not state.registered or state.final_scheduled or self._ended(state.ext_id):
-                continue
-            self._schedule(state, send)
+            if self._ended(state.ext_id):
+                event = S_LOCAL_CHUNK_AFTER_END
+            else:
+                event = S_LOCAL_FINAL_CHUNK if send.final else S_LOCAL_CHUNK
+            if state.step(event) == EFFECT_SCHEDULE:
+                self._schedule(state, send)
         give_up_at = time.monotonic() + self.config.kv_load_timeout_s
         for child in meta.send_aborts:
             target = _endpoint_target(child.target)
@@ -501,7 +538,8 @@ class PrefillSide:
             logger.error("request %s: not published: %s", send.req_id, exc)
             self.stats.record_failure(exc.code)
             registered = False
-        state = _Send(send.req_id, send.ext_id, registered)
+        state = _Send(send.req_id, send.ext_id)
+        state.step(S_LOCAL_REGISTERED if registered else S_LOCAL_NOT_REGISTERED)
         self._sends[send.req_id] = state
         if registered:
             self._by_ext[send.ext_id] = send.req_id
@@ -536,8 +574,8 @@ class PrefillSide:
         except ProtocolError as exc:
             logger.error("request %s: bad chunk: %s", send.req_id, exc)
             self.stats.record_failure(exc.code)
-            self._publisher.run(lambda: self.worker.abort([state.ext_id]))
-            state.final_scheduled = True  # nothing more goes out for it
+            if state.step(S_LOCAL_BAD_CHUNK) == EFFECT_ABORT:  # nothing more goes out for it
+                self._publisher.run(lambda: self.worker.abort([state.ext_id]))
             return
         main = send.main_block_ids[ms:me]
         ext, final = state.ext_id, send.final
@@ -556,7 +594,6 @@ class PrefillSide:
                 logger.debug("request %s ended before its chunk was scheduled", ext)
 
         self._publisher.run(schedule)
-        state.final_scheduled = final
         self._step_active = True
 
     def wait_writable(self, idx: int) -> None:
@@ -680,8 +717,7 @@ class PrefillSide:
             state = self._sends.get(req_id)
             if state is None:
                 continue
-            state.vllm_finished = True
-            if state.registered and not state.final_scheduled and state.outcome is None:
+            if state.step(S_LOCAL_VLLM_FINISHED) == EFFECT_ABORT:
                 aborts.append(state.ext_id)  # finished before its prompt was: aborted
         if aborts:
             self._publisher.run(lambda: self.worker.abort(aborts))
@@ -692,19 +728,15 @@ class PrefillSide:
             state = self._sends.get(owner) if owner is not None else None
             if state is None:
                 continue
-            state.outcome = f
+            state.step(S_RECV_FINISHED)
             if not f.ok:
                 self.stats.record_failure(f.code or ErrorCode.UNKNOWN)
                 logger.warning("request %s: KV not delivered: %s", owner, f.message)
-        done = {
-            r
-            for r, s in self._sends.items()
-            if s.vllm_finished and (not s.registered or s.outcome is not None)
-        }
+        done = {r for r, s in self._sends.items() if s.state == SEND_DONE}
         for req_id in done:
             state = self._sends.pop(req_id)
-            if state.registered:
-                self._by_ext.pop(state.ext_id, None)
+            if self._by_ext.get(state.ext_id) == req_id:  # it was registered
+                del self._by_ext[state.ext_id]
         return done
 
     def take_stats(self) -> Rd2hKVConnectorStats | None:
@@ -724,12 +756,16 @@ class PrefillSide:
 
 @dataclass(slots=True)
 class _Load:
+    """One Decode request as the worker side tracks it."""
+
     spec: LoadSpec
-    in_endpoint: bool
-    failed_locally: tuple[ErrorCode, str] | None = None
-    finished: bool = False  # terminal on every rank; being released
-    failed: bool = False
-    released: bool = False
+    state: str = LOAD_NEW  # of VLLM_LOAD, changed only by step()
+    failed: bool = False  # the completion rule's verdict: it failed on some rank
+
+    def step(self, event: str) -> str:
+        """Step :data:`VLLM_LOAD`; return the effect."""
+        effect, self.state = VLLM_LOAD.step(self.state, event)
+        return effect
 
 
 class DecodeSide:
@@ -791,7 +827,7 @@ class DecodeSide:
 
     def loading(self) -> dict[str, bool]:
         """``{req_id: finished on every rank}`` of every load still tracked."""
-        return {r: load.finished for r, load in self._loads.items()}
+        return {r: load.state in LOAD_FINISHED for r, load in self._loads.items()}
 
     def is_idle(self) -> bool:
         """Nothing tracked here, in the completion rule or in the endpoint."""
@@ -807,12 +843,12 @@ class DecodeSide:
                 self._add(spec, now)
         for failure in meta.load_failures:
             load = self._loads.get(failure.req_id)
-            if load is not None and not load.finished:
-                self._fail(load, ErrorCode(failure.code), failure.message)
+            if load is not None:
+                self._fail(load, failure.message)
 
     def _add(self, spec: LoadSpec, now: float) -> None:
         indexer = spec.indexer_block_ids if spec.indexer_block_ids is not None else []
-        load = _Load(spec, in_endpoint=False)
+        load = _Load(spec)
         self._loads[spec.req_id] = load
         if spec.ext_id in self._by_ext:
             # Two live loads under one external id: Prefill could not tell them apart.
@@ -826,29 +862,23 @@ class DecodeSide:
                 other,
             )
             self.stats.record_failure(ErrorCode.UNKNOWN_REQUEST)
-            load.finished = load.failed = load.released = True
+            load.failed = True
+            load.step(L_LOCAL_DUPLICATE)
             return
         self._by_ext[spec.ext_id] = spec.req_id
         try:
             self.worker.add_request(spec.ext_id, spec.main_block_ids, indexer)
         except ProtocolError as exc:
-            load.failed_locally = (exc.code, exc.message)
-            self._local_outcome(load)
+            if load.step(L_LOCAL_ADD_FAILED) == EFFECT_REPORT_LOCAL:
+                with self._lock:
+                    self._outcomes.append(Outcome(spec.ext_id, False, exc.code, exc.message))
             return
-        load.in_endpoint = True
+        load.step(L_LOCAL_ADDED)
 
-    def _local_outcome(self, load: _Load) -> None:
-        assert load.failed_locally is not None
-        code, message = load.failed_locally
-        with self._lock:
-            self._outcomes.append(Outcome(load.spec.ext_id, False, code, message))
-
-    def _fail(self, load: _Load, code: ErrorCode, message: str) -> None:
-        if load.in_endpoint:
+    def _fail(self, load: _Load, message: str) -> None:
+        """A rendezvous failure, or vLLM finished it: abort it if it still loads."""
+        if load.step(L_LOCAL_FAIL) == EFFECT_ABORT:
             self.worker.abort([load.spec.ext_id], message)
-        elif load.failed_locally is None:
-            load.failed_locally = (code, message)
-            self._local_outcome(load)
 
     def _on_outcome(self, outcome: Outcome) -> None:
         with self._lock:
@@ -862,9 +892,9 @@ class DecodeSide:
         """``(finished_recving, failed_recving)`` of this step (a TP collective)."""
         for req_id in finished_req_ids:
             load = self._loads.get(req_id)
-            if load is not None and not load.finished:
-                # vLLM finished (aborted) it while it was loading.
-                self._fail(load, ErrorCode.ABORTED, "aborted by vLLM while loading")
+            if load is not None:
+                # vLLM finished (aborted) it, maybe while it was loading.
+                self._fail(load, "aborted by vLLM while loading")
         with self._lock:
             outcomes, self._outcomes = self._outcomes, []
         done = [o.ext_req_id for o in outcomes if o.ok]
@@ -889,19 +919,21 @@ class DecodeSide:
             load = self._loads.get(req_id)
             if load is None:
                 continue
-            load.finished = True
             load.failed = req_id in result.load_errors
-            load.released = not load.in_endpoint or self.worker.release(load.spec.ext_id)
+            if load.step(L_LOCAL_COMPLETED) == EFFECT_RELEASE and self.worker.release(
+                load.spec.ext_id
+            ):
+                load.step(L_LOCAL_QUIESCENT)
         recving: set[str] = set()
         failed_recving: set[str] = set()
         self.last_failed = {}
         for req_id, load in list(self._loads.items()):
-            if not load.finished:
-                continue
-            if not load.released:
-                load.released = self.worker.wait_releasable(load.spec.ext_id, 0.0)
-                if not load.released:
+            if load.state == LOAD_RELEASE_PENDING:
+                if not self.worker.wait_releasable(load.spec.ext_id, 0.0):
                     continue  # a read may still write its blocks
+                load.step(L_LOCAL_QUIESCENT)
+            if load.state != LOAD_RELEASED:
+                continue
             recving.add(req_id)
             del self._loads[req_id]
             if self._by_ext.get(load.spec.ext_id) == req_id:

@@ -16,7 +16,8 @@ Decode or Prefill. When both are over the parent is removed: nothing stays behin
 
 A parent fails once (Prefill answered an error, timed out, or the rendezvous did not
 arrive in time); the client handler waits on :attr:`Parent.failed` to stop the Decode
-exchange early.
+exchange early. A parent's phase changes only by stepping the declared
+:data:`~rd2h_runtime.proxy.phases.PROXY_REQUEST` machine.
 """
 
 from __future__ import annotations
@@ -27,14 +28,15 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-
-class Phase(enum.Enum):
-    """Where a parent is."""
-
-    WAITING = "waiting"  # some children have not posted yet
-    DISPATCHING = "dispatching"  # all posted; the Prefill dispatch is running
-    DISPATCHED = "dispatched"  # Prefill answered success
-    FAILED = "failed"  # the parent failed; see Parent.failure
+from rd2h_runtime.proxy.phases import (
+    EFFECT_FAIL,
+    EFFECT_REFUSE,
+    P_RECV_DISPATCH_OK,
+    P_RECV_LAST_POST,
+    P_RECV_POST,
+    PHASE_WAITING,
+    PROXY_REQUEST,
+)
 
 
 class Outcome(enum.Enum):
@@ -72,7 +74,7 @@ class Parent:
     children: tuple[str, ...]
     opened_at: float
     posted: dict[str, dict[str, Any]] = field(default_factory=dict)
-    phase: Phase = Phase.WAITING
+    phase: str = PHASE_WAITING  # a state of PROXY_REQUEST
     client_open: bool = True
     dispatch_running: bool = False
     failure: tuple[int, str] | None = None
@@ -147,33 +149,38 @@ class Registry:
                     f"a different rendezvous for {child_id!r} was already recorded", 409
                 )
             return parent, Outcome.DUPLICATE
-        if not parent.client_open or parent.phase is Phase.FAILED:
+        last = len(parent.posted) + 1 == len(parent.children)
+        effect = EFFECT_REFUSE  # a parent whose client has gone takes no post
+        if parent.client_open:
+            effect, parent.phase = PROXY_REQUEST.step(
+                parent.phase, P_RECV_LAST_POST if last else P_RECV_POST
+            )
+        if effect == EFFECT_REFUSE:
             why = parent.failure[1] if parent.failure else "its client request has ended"
             raise RendezvousRefused(f"request {parent.parent_id!r} is over: {why}", 410)
         parent.posted[child_id] = params
-        if len(parent.posted) < len(parent.children):
+        if not last:
             return parent, Outcome.RECORDED
         # The post completing the set: the one and only place a dispatch is started.
-        parent.phase = Phase.DISPATCHING
         parent.dispatch_running = True
         if parent.timer is not None:
             parent.timer.cancel()
             parent.timer = None
         return parent, Outcome.READY
 
-    def fail(self, parent: Parent, status: int, message: str) -> bool:
-        """Mark ``parent`` failed (the first failure wins); True if this call failed it."""
-        if parent.phase is Phase.FAILED:
+    def fail(self, parent: Parent, event: str, status: int, message: str) -> bool:
+        """Step ``parent`` with a failure input (``P_TIMER_RENDEZVOUS_EXPIRED`` or
+        ``P_RECV_DISPATCH_FAILED``); True if this call failed it (the first failure wins)."""
+        effect, parent.phase = PROXY_REQUEST.step(parent.phase, event)
+        if effect != EFFECT_FAIL:
             return False
-        parent.phase = Phase.FAILED
         parent.failure = (status, message)
         parent.failed.set()
         return True
 
     def dispatch_succeeded(self, parent: Parent) -> None:
         """Prefill accepted the dispatch."""
-        if parent.phase is Phase.DISPATCHING:
-            parent.phase = Phase.DISPATCHED
+        _, parent.phase = PROXY_REQUEST.step(parent.phase, P_RECV_DISPATCH_OK)
 
     def finish_dispatch(self, parent: Parent) -> None:
         """The dispatch task is over (either way); remove the parent if its client is gone."""

@@ -73,11 +73,11 @@ from rd2h_runtime.proxy.payloads import (
     decode_json_object,
     prefill_body,
 )
+from rd2h_runtime.proxy.phases import P_RECV_DISPATCH_FAILED, P_TIMER_RENDEZVOUS_EXPIRED
 from rd2h_runtime.proxy.registry import (
     Outcome,
     Parent,
     ParentInFlight,
-    Phase,
     Registry,
     RendezvousRefused,
     UnknownChild,
@@ -491,16 +491,17 @@ class ProxyServer:
 
     def _rendezvous_expired(self, parent: Parent) -> None:
         parent.timer = None
-        if parent.phase is Phase.WAITING:
+        missing = [c for c in parent.children if c not in parent.posted]
+        first = missing[0] if missing else None
+        if self.registry.fail(
+            parent,
+            P_TIMER_RENDEZVOUS_EXPIRED,
+            504,
+            f"Decode did not post the rendezvous of {len(missing)} of "
+            f"{len(parent.children)} child requests within "
+            f"{self.config.rendezvous_timeout_s:g} s (first missing: {first!r})",
+        ):
             self.stats.rendezvous_timeouts += 1
-            missing = [c for c in parent.children if c not in parent.posted]
-            self.registry.fail(
-                parent,
-                504,
-                f"Decode did not post the rendezvous of {len(missing)} of "
-                f"{len(parent.children)} child requests within "
-                f"{self.config.rendezvous_timeout_s:g} s (first missing: {missing[0]!r})",
-            )
 
     # -- metaserver ------------------------------------------------------------------------
 
@@ -582,7 +583,7 @@ class ProxyServer:
 
     def _dispatch_failed(self, parent: Parent, status: int, message: str) -> None:
         log.warning("request %s: %s", parent.parent_id, message)
-        self.registry.fail(parent, status, message)
+        self.registry.fail(parent, P_RECV_DISPATCH_FAILED, status, message)
 
     async def _dispatch_once(self, parent: Parent) -> None:
         headers = {

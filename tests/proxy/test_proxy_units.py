@@ -23,10 +23,14 @@ from rd2h_runtime.proxy.payloads import (
     decode_body,
     prefill_body,
 )
+from rd2h_runtime.proxy.phases import (
+    P_TIMER_RENDEZVOUS_EXPIRED,
+    PHASE_DISPATCHED,
+    PHASE_DISPATCHING,
+)
 from rd2h_runtime.proxy.registry import (
     Outcome,
     ParentInFlight,
-    Phase,
     Registry,
     RendezvousRefused,
     UnknownChild,
@@ -123,7 +127,7 @@ def test_registry_ready_exactly_once_and_duplicates() -> None:
     assert reg.record("cmpl-p-0", {"a": 1}) == (parent, Outcome.RECORDED)
     assert reg.record("cmpl-p-0", {"a": 1}) == (parent, Outcome.DUPLICATE)
     assert reg.record("cmpl-p-1", {"b": 2}) == (parent, Outcome.READY)
-    assert parent.phase is Phase.DISPATCHING and parent.dispatch_running
+    assert parent.phase == PHASE_DISPATCHING and parent.dispatch_running
     for child, params in (("cmpl-p-0", {"a": 1}), ("cmpl-p-1", {"b": 2})):
         assert reg.record(child, params) == (parent, Outcome.DUPLICATE)
     with pytest.raises(RendezvousRefused) as info:
@@ -160,8 +164,9 @@ def test_registry_refuses_a_child_id_used_by_another_parent() -> None:
 def test_registry_post_for_failed_or_closed_parent_is_gone() -> None:
     reg = Registry()
     parent = _open(reg)
-    assert reg.fail(parent, 504, "rendezvous timed out")
-    assert not reg.fail(parent, 502, "second failure")  # the first failure wins
+    assert reg.fail(parent, P_TIMER_RENDEZVOUS_EXPIRED, 504, "rendezvous timed out")
+    # The first failure wins.
+    assert not reg.fail(parent, P_TIMER_RENDEZVOUS_EXPIRED, 502, "second failure")
     assert parent.failure == (504, "rendezvous timed out") and parent.failed.is_set()
     with pytest.raises(RendezvousRefused, match="timed out") as info:
         reg.record("cmpl-p-0", {})
@@ -181,7 +186,7 @@ def test_registry_dispatch_success_and_timer_cancel() -> None:
         assert reg.record("cmpl-p-0", {})[1] is Outcome.READY
         assert parent.timer is None  # completing the set stops the rendezvous timer
         reg.dispatch_succeeded(parent)
-        assert parent.phase is Phase.DISPATCHED
+        assert parent.phase == PHASE_DISPATCHED
         reg.finish_dispatch(parent)
         assert len(reg) == 1  # the client exchange still runs
         reg.close_client(parent)

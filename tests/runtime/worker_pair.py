@@ -13,6 +13,7 @@ from typing import Any, ClassVar
 from rd2h_protocol.consumer import ConsumerConfig
 from rd2h_protocol.layout import ComponentDest, DestinationLayout, LayerLayout
 from rd2h_protocol.producer import ProducerConfig
+from rd2h_runtime.control import ControlOptions
 from rd2h_runtime.decode import DecodeWorker
 from rd2h_runtime.prefill import PrefillWorker
 from rd2h_runtime.transfer import TransferBackend
@@ -63,7 +64,12 @@ def decode_worker(
     return DecodeWorker(config, backend, host=HOST, **kw)
 
 
-def prefill_worker(backend: TransferBackend, blocks: int, **producer: Any) -> PrefillWorker:
+def prefill_worker(
+    backend: TransferBackend,
+    blocks: int,
+    control_options: ControlOptions | None = None,
+    **producer: Any,
+) -> PrefillWorker:
     """A Prefill worker for :data:`LAYER` (``producer``: ProducerConfig fields)."""
     source = LayerLayout(
         base_addrs=[0x1000_0000, 0x2000_0000],
@@ -72,7 +78,7 @@ def prefill_worker(backend: TransferBackend, blocks: int, **producer: Any) -> Pr
         num_blocks=blocks,
     )
     config = ProducerConfig(p_rank=0, p_tp=1, session="", layers=[(LAYER, source)], **producer)
-    return PrefillWorker(config, backend)
+    return PrefillWorker(config, backend, control_options=control_options)
 
 
 @contextlib.contextmanager

@@ -1,0 +1,99 @@
+"""Checks every MachineSpec of the bindings gets: its table is its transitions.Machine.
+
+Each test module of bindings machines takes its two table tests from
+:func:`table_tests`, and checks the code steps them with :func:`record`.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import pytest
+from transitions.core import MachineError
+
+from rd2h_protocol._machine import MachineSpec
+from rd2h_protocol.errors import LocalProtocolError
+
+
+def pairs(machines: Sequence[MachineSpec]) -> Any:
+    """``pytest.param(spec, state, event)`` for every pair of every machine."""
+    return [
+        pytest.param(spec, state, event, id=f"{spec.name}:{state}:{event}")
+        for spec in machines
+        for state, event in itertools.product(spec.states, spec.inputs)
+    ]
+
+
+def check_pair(spec: MachineSpec, state: str, event: str) -> None:
+    """The table and the ``transitions.Machine`` agree on ``(state, event)``; a pair the
+    table lacks raises LocalProtocolError naming the machine, state and input."""
+    machine = spec.build_machine()
+    model = machine.models[0]
+    machine.set_state(state)
+    try:
+        getattr(model, event)()
+    except MachineError:
+        with pytest.raises(LocalProtocolError, match=f"{spec.name}: input {event} .* {state}"):
+            spec.step(state, event)
+        return
+    assert spec.step(state, event)[1] == model.state
+
+
+def table_tests(machines: Sequence[MachineSpec]) -> tuple[Callable[..., None], ...]:
+    """The two table tests of ``machines``, to bind to ``test_*`` names of a module."""
+
+    @pytest.mark.parametrize(("spec", "state", "event"), pairs(machines))
+    def test_table_agrees_with_machine_on_every_pair(
+        spec: MachineSpec, state: str, event: str
+    ) -> None:
+        check_pair(spec, state, event)
+
+    @pytest.mark.parametrize("spec", machines, ids=lambda m: m.name)
+    def test_declarations_are_well_formed(spec: MachineSpec) -> None:
+        check_well_formed(spec)
+
+    return test_table_agrees_with_machine_on_every_pair, test_declarations_are_well_formed
+
+
+def check_well_formed(spec: MachineSpec) -> None:
+    """Every state is reachable, terminal states are sinks, inputs say their origin."""
+    seen = {spec.initial}
+    frontier = [spec.initial]
+    while frontier:
+        state = frontier.pop()
+        for (source, _), (_, dest) in spec.table.items():
+            if source == state and dest not in seen:
+                seen.add(dest)
+                frontier.append(dest)
+    assert seen == set(spec.states)
+    for (source, _), (_, dest) in spec.table.items():
+        if source in spec.terminal:
+            assert dest == source
+    assert all(i.split("_")[0] in {"LOCAL", "RECV", "SEND", "TIMER"} for i in spec.inputs)
+    with pytest.raises(LocalProtocolError):
+        spec.step(spec.initial, "RECV_UNDECLARED")
+
+
+class Recording:
+    """Stands in for a MachineSpec (monkeypatched where the code under test looks it up)
+    and records every (state, input) the code steps it with."""
+
+    def __init__(self, spec: MachineSpec) -> None:
+        self.spec = spec
+        self.steps: list[tuple[str, str]] = []
+
+    def step(self, state: str, event: str, *args: Any) -> tuple[str, str]:
+        self.steps.append((state, event))
+        return self.spec.step(state, event, *args)
+
+    def inputs(self) -> list[str]:
+        return [event for _, event in self.steps]
+
+
+def record(monkeypatch: pytest.MonkeyPatch, module: Any, name: str) -> Recording:
+    """Replace ``module.name`` (a MachineSpec) with a :class:`Recording` of it."""
+    rec = Recording(getattr(module, name))
+    monkeypatch.setattr(module, name, rec)
+    return rec

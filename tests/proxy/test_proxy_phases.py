@@ -1,0 +1,83 @@
+"""The proxy's request-phase machine: its table, and the proxy stepping it."""
+
+from __future__ import annotations
+
+import pytest
+from proxy_harness import async_test, cluster
+
+from rd2h_runtime.proxy import registry
+from rd2h_runtime.proxy.payloads import COMPLETIONS
+from rd2h_runtime.proxy.phases import (
+    P_RECV_DISPATCH_FAILED,
+    P_RECV_DISPATCH_OK,
+    P_RECV_LAST_POST,
+    P_RECV_POST,
+    P_TIMER_RENDEZVOUS_EXPIRED,
+    PHASE_DISPATCHED,
+    PHASE_DISPATCHING,
+    PHASE_FAILED,
+    PHASE_WAITING,
+    PROXY_MACHINES,
+    PROXY_REQUEST,
+)
+from tests.machine_checks import Recording, record, table_tests
+
+test_table_agrees_with_machine_on_every_pair, test_declarations_are_well_formed = table_tests(
+    PROXY_MACHINES
+)
+
+
+def test_a_post_after_the_dispatch_started_is_refused_by_the_table() -> None:
+    # Every child has posted by then: a new post cannot be, so it is a bug, not a 410.
+    for state in (PHASE_DISPATCHING, PHASE_DISPATCHED):
+        for event in (P_RECV_POST, P_RECV_LAST_POST):
+            assert (state, event) not in PROXY_REQUEST.table
+
+
+@pytest.fixture
+def recording(monkeypatch: pytest.MonkeyPatch) -> Recording:
+    return record(monkeypatch, registry, "PROXY_REQUEST")
+
+
+def _phase_after(rec: Recording) -> str:
+    """The phase the parent was left in by the last recorded step."""
+    return PROXY_REQUEST.step(*rec.steps[-1])[1]
+
+
+@async_test
+async def test_a_served_request_steps_waiting_dispatching_dispatched(recording: Recording) -> None:
+    async with cluster() as c:
+        status, body = await c.complete(COMPLETIONS, {"prompt": ["a", "b"]}, "ok")
+        assert status == 200, body
+        await c.wait_idle()
+    assert recording.steps == [
+        (PHASE_WAITING, P_RECV_POST),
+        (PHASE_WAITING, P_RECV_LAST_POST),
+        (PHASE_DISPATCHING, P_RECV_DISPATCH_OK),
+    ]
+    assert _phase_after(recording) == PHASE_DISPATCHED
+
+
+@async_test
+async def test_a_failed_dispatch_steps_the_parent_to_failed(recording: Recording) -> None:
+    async with cluster() as c:
+        c.prefill_status = 500
+        status, body = await c.complete(COMPLETIONS, {"prompt": "x"}, "boom")
+        assert status == 502, body
+        await c.wait_idle()
+    assert recording.steps == [
+        (PHASE_WAITING, P_RECV_LAST_POST),
+        (PHASE_DISPATCHING, P_RECV_DISPATCH_FAILED),
+    ]
+    assert _phase_after(recording) == PHASE_FAILED
+
+
+@async_test
+async def test_a_missing_rendezvous_steps_the_parent_to_failed(recording: Recording) -> None:
+    async with cluster(rendezvous_timeout_s=0.3) as c:
+        c.decode_posts = False
+        status, body = await c.complete(COMPLETIONS, {"prompt": "x"}, "late")
+        assert status == 504, body
+        await c.wait_idle()
+    assert recording.steps == [(PHASE_WAITING, P_TIMER_RENDEZVOUS_EXPIRED)]
+    assert _phase_after(recording) == PHASE_FAILED
