@@ -13,7 +13,6 @@ import torch
 from rd2h_protocol.errors import ErrorCode, LocalProtocolError
 from rd2h_runtime.control import ControlOptions
 from rd2h_runtime.transfer import create_backend
-from rd2h_vllm import worker as worker_mod
 from rd2h_vllm.config import Rd2hConfig, parse_config
 from rd2h_vllm.destinations import VllmCacheDestinations, device_events
 from rd2h_vllm.request_machines import (
@@ -44,6 +43,8 @@ from rd2h_vllm.scheduler import (
     SendSpec,
 )
 from rd2h_vllm.worker import DecodeSide, PrefillSide, SingleRank, split_kv_caches
+from rd2h_vllm.worker import decode as decode_mod
+from rd2h_vllm.worker import prefill as prefill_mod
 from tests.machine_checks import record, table_tests
 from tests.vllm.vllm_pd_harness import free_port_block
 
@@ -183,8 +184,8 @@ def test_a_request_moves_and_both_halves_step_their_machines(
     halves: Halves, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     prefill, decode, p_caches, d_caches = halves
-    sends = record(monkeypatch, worker_mod, "VLLM_SEND")
-    loads = record(monkeypatch, worker_mod, "VLLM_LOAD")
+    sends = record(monkeypatch, prefill_mod, "VLLM_SEND")
+    loads = record(monkeypatch, decode_mod, "VLLM_LOAD")
     src, dst = [1, 2], [5, 6]
     # Decode learns the destinations, then Prefill computes and publishes every layer.
     decode.bind(Rd2hConnectorMetadata(loads=[_load("a", dst)]))
@@ -207,8 +208,8 @@ def test_a_failed_load_and_an_early_finish_abort(
     halves: Halves, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     prefill, decode, _, _ = halves
-    sends = record(monkeypatch, worker_mod, "VLLM_SEND")
-    loads = record(monkeypatch, worker_mod, "VLLM_LOAD")
+    sends = record(monkeypatch, prefill_mod, "VLLM_SEND")
+    loads = record(monkeypatch, decode_mod, "VLLM_LOAD")
     # Decode: the rendezvous failed after the load was registered: aborted in the endpoint.
     decode.bind(Rd2hConnectorMetadata(loads=[_load("b", [3])]))
     failure = LoadFailure(req_id="b", ext_id="ext-b", code=int(ErrorCode.ABORTED), message="x")
