@@ -1,5 +1,7 @@
 """The scheduler side of the connector: per-request bookkeeping and the worker metadata.
 
+Over 600 lines: one SchedulerSide follows vLLM's scheduler hooks in their call order.
+
 Theory of operation
 -------------------
 vLLM 0.32's scheduler drives a connector like this (vllm/v1/core/sched/scheduler.py):
