@@ -245,7 +245,7 @@ def run_size(
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark; 1 if runtime/raw falls under ``--min-ratio``, else 0."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
-    ap.add_argument("--backend", default="nixl", choices=["loopback", "nixl", "mooncake"])
+    ap.add_argument("--backend", default="nixl", choices=["loopback", "cma", "nixl", "mooncake"])
     ap.add_argument("--layer-mib", type=int, nargs="+", default=[20, 256])
     ap.add_argument("--requests", type=int, default=8, help="requests sharing the layer")
     ap.add_argument("--repeats", type=int, default=5)
