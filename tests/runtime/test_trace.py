@@ -166,6 +166,27 @@ def _prefill_file(trace_dir: Path) -> Path:
     return sorted(trace_dir.glob("prefill-r0-*.ndjson"))[0]
 
 
+def _dependent_pair(records: list[dict[str, Any]]) -> tuple[int, int]:
+    """Two calls in the second half whose order matters, whatever the run's timing: on
+    Decode a readiness that started read R and ``read_finished(R)``; on Prefill a layer's
+    publication and the reply to it. (Two calls that merely differ may commute.)"""
+    half = len(records) // 2
+    for i, rec in enumerate(records[half:], half):
+        outs = rec.get("o") or []
+        if rec.get("op") == "receive" and "read_id" in str(outs):
+            started = {o["read_id"] for o in outs if o.get("o") == "start_read"}
+            for j, later in enumerate(records[i + 1 :], i + 1):
+                if later.get("op") == "read_finished" and later["a"]["read_id"] in started:
+                    return i, j
+        if rec.get("op") == "layer_written" and any(o.get("o") == "send" for o in outs):
+            layer = rec["a"]["layer_idx"]
+            for j, later in enumerate(records[i + 1 :], i + 1):
+                replied = [o for o in later.get("o") or [] if o.get("o") == "replied"]
+                if later.get("op") == "receive" and any(o["layer"] == layer for o in replied):
+                    return i, j
+    raise AssertionError("no dependent pair of calls in the trace")
+
+
 @pytest.mark.timeout(60)
 def test_a_record_out_of_order_is_reported(
     loopback_traces: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
@@ -173,27 +194,28 @@ def test_a_record_out_of_order_is_reported(
     for role in ("prefill", "decode"):
         [src] = sorted(loopback_traces.glob(f"{role}-r0-*.ndjson"))
         lines = _lines(src)
-        calls = [i for i, line in enumerate(lines) if json.loads(line)["k"] == "call"]
-        # Swap two calls in the middle (different ops, so the swap matters).
-        i = next(
-            a
-            for a, b in zip(calls[len(calls) // 2 :], calls[len(calls) // 2 + 1 :], strict=False)
-            if json.loads(lines[a])["op"] != json.loads(lines[b])["op"] and b == a + 1
-        )
-        a_rec, b_rec = json.loads(lines[i]), json.loads(lines[i + 1])
-        for keep_time in (False, True):
-            planted_lines = list(lines)
-            if keep_time:  # the times stay in order: only the outputs can tell
-                a_rec["t"], b_rec["t"] = b_rec["t"], a_rec["t"]
-            planted_lines[i], planted_lines[i + 1] = json.dumps(b_rec), json.dumps(a_rec)
+        i, j = _dependent_pair([json.loads(line) for line in lines])
+        a_rec, b_rec = json.loads(lines[i]), json.loads(lines[j])
+        # Swapped with their times, so the times stay in order: only the replay can tell.
+        a_rec["t"], b_rec["t"] = b_rec["t"], a_rec["t"]
+        swapped = list(lines)
+        swapped[i], swapped[j] = json.dumps(b_rec), json.dumps(a_rec)
+        # In order, but one record's time before its predecessor's.
+        late = json.loads(lines[j])
+        before = next(r for r in map(json.loads, reversed(lines[:j])) if r["k"] == "call")
+        late["t"] = before["t"] - 0.001
+        backwards = list(lines)
+        backwards[j] = json.dumps(late)
+        for planted_lines, line, says in (
+            (swapped, i, "DIVERGED"),
+            (backwards, j, "time goes backwards"),
+        ):
             planted = tmp_path / src.name
             planted.write_text("\n".join(planted_lines) + "\n")
             assert trace_check.main([str(planted)]) == 1
             out = capsys.readouterr().out
-            assert "DIVERGED" in out, out
-            assert f"{src.name}:{i + 1} " in out or f"{src.name}:{i + 2} " in out, out
-            if not keep_time:
-                assert "time goes backwards" in out
+            assert "DIVERGED" in out and says in out, out
+            assert f"{src.name}:{line + 1} " in out, out
 
 
 @pytest.mark.timeout(60)
