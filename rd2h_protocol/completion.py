@@ -40,7 +40,7 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
-from rd2h_protocol._machine import MachineSpec, stay
+from rd2h_protocol._machine import Guard, MachineSpec, stay
 from rd2h_protocol.errors import ConfigError, LocalProtocolError, TopologyError
 
 __all__ = [
@@ -52,6 +52,30 @@ __all__ = [
     "CrossRankCompletion",
     "RankReport",
 ]
+
+
+#: Every guard the completion tables name: what it says and the method that resolves it.
+GUARDS: Final[dict[str, Guard]] = {
+    "others_missing": Guard(
+        "a new member reported and others have not yet", "ContributorSet.report"
+    ),
+    "last_member": Guard("the last missing member reported", "ContributorSet.report"),
+    "other_ranks_missing": Guard(
+        "a new rank reported the request terminal and others have not yet",
+        "CrossRankCompletion._on_report",
+    ),
+    "all_ranks_terminal": Guard(
+        "the last missing rank reported the request terminal", "CrossRankCompletion._on_report"
+    ),
+    "mapped": Guard(
+        "resolve() knows the request's internal id",
+        "CrossRankCompletion._on_report, ._retry_unmapped",
+    ),
+    "not_mapped": Guard(
+        "resolve() does not know the request's internal id yet",
+        "CrossRankCompletion._on_report, ._retry_unmapped",
+    ),
+}
 
 
 # -- contributor completion (one request on one Decode rank) -------------------------------
@@ -77,6 +101,7 @@ CONTRIBUTOR_COMPLETION: Final = MachineSpec(
     """,
     states=(CONTRIB_WAITING, CONTRIB_COMPLETE),
     initial=CONTRIB_WAITING,
+    guards=GUARDS,
     terminal=frozenset({CONTRIB_COMPLETE}),
     transitions=(
         {
@@ -193,6 +218,7 @@ CROSS_RANK_COMPLETION: Final = MachineSpec(
     """,
     states=(XR_COLLECTING, XR_UNMAPPED, XR_FINISHED, XR_DROPPED),
     initial=XR_COLLECTING,
+    guards=GUARDS,
     terminal=frozenset({XR_FINISHED, XR_DROPPED}),
     transitions=(
         {
