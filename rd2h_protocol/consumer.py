@@ -1,5 +1,9 @@
 """The Decode side of the protocol: one sans-IO endpoint per Decode TP rank.
 
+Over 600 lines: one endpoint class whose effect handlers (bound to the tables of
+:mod:`rd2h_protocol.consumer_machines`) share its private state; split into modules they
+would reach back into one another's records. The checker imports its private names here.
+
 Theory of operation
 -------------------
 :class:`ConsumerEndpoint` owns nothing but state. The runtime feeds it what happened --
