@@ -1088,7 +1088,7 @@ class ProducerEndpoint:
         """Release the readiness that never left: nothing can read it, the gates reopen."""
         queue, conn.queue = conn.queue, []
         conn.pending_aborts = []
-        for pub in queue:
+        for pub in queue:  # (release needs no time: 0.0 stands for ``now``)
             _PUB.fire(
                 self,
                 pub,

@@ -7,7 +7,8 @@ message definitions and machine declarations).
 What is generated:
 
 * ``wire.md``: one table per message (position, name, type, default, version that added it);
-* ``machines.md``: a mermaid ``stateDiagram-v2`` and the transition table per machine;
+* ``machines.md``: a mermaid ``stateDiagram-v2``, the transition table and the guards per
+  machine;
 * ``machines.json``: the same declarations, machine-readable;
 * ``invariants.md``: the properties the model checker proves;
 * ``api.md``: the public API of ``rd2h_protocol`` with its docstrings.
