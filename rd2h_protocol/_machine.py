@@ -18,11 +18,18 @@ held); the ``conditions`` in the declaration name that guard so the ``transition
 Machine and the generated diagram show it. A (state, input) pair missing from the table
 is a protocol violation: :meth:`MachineSpec.step` raises the error class the caller names
 (h2's rule: what is not allowed is refused, never ignored by accident).
+
+The table drives the action, as in h2's ``stream.py``: an endpoint binds every declared
+effect to exactly one handler (:meth:`MachineSpec.bind`, checked when the module is
+imported: an effect without a handler, or a handler for no declared effect, raises), and
+:meth:`BoundMachine.fire` looks ``(record.state, input)`` up, sets the new state, then
+runs the bound handler. Each guard a declaration names is declared next to its table
+(``GUARDS``: what it says and which method resolves it) and rendered in the docs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, TypedDict
 
@@ -43,6 +50,14 @@ NO_EFFECT: Final = "none"
 
 
 @dataclass(frozen=True)
+class Guard:
+    """One guard a declaration names: what it says, and the method that resolves it."""
+
+    says: str
+    resolved_by: str
+
+
+@dataclass(frozen=True)
 class MachineSpec:
     """A state machine declared once as data."""
 
@@ -52,6 +67,9 @@ class MachineSpec:
     initial: str
     transitions: tuple[TransitionDecl, ...]
     terminal: frozenset[str] = frozenset()
+    #: What each guard the declaration names says, and the method that resolves it (given
+    #: a mapping, every ``conditions`` name must be in it; only those named are kept).
+    guards: Mapping[str, Guard] = field(default_factory=dict, repr=False, compare=False)
     table: Mapping[tuple[str, str], tuple[str, str]] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -71,6 +89,12 @@ class MachineSpec:
                     raise ValueError(f"{self.name}: {key} is declared twice")
                 table[key] = (decl.get("effect", NO_EFFECT), dest)
         object.__setattr__(self, "table", table)
+        if self.guards:
+            named = self._condition_names()
+            missing = [g for g in named if g not in self.guards]
+            if missing:
+                raise ValueError(f"{self.name}: guards {missing} are not declared")
+            object.__setattr__(self, "guards", {g: self.guards[g] for g in named})
 
     @property
     def inputs(self) -> tuple[str, ...]:
@@ -85,6 +109,31 @@ class MachineSpec:
             return self.table[(state, event)]
         except KeyError:
             raise error(f"{self.name}: input {event} is not allowed in state {state}") from None
+
+    @property
+    def effects(self) -> frozenset[str]:
+        """Every effect name the declaration uses (``none`` included where used)."""
+        return frozenset(effect for effect, _ in self.table.values())
+
+    def bind(self, handlers: Mapping[str, Handler]) -> BoundMachine:
+        """Bind each declared effect to its handler; raise unless the keys match exactly.
+
+        A handler is called as ``handler(owner, record, *args)`` after the state changed.
+        :data:`NO_EFFECT` must be bound too where the declaration uses it (to
+        :func:`no_effect`, or to a handler when the caller has something to do).
+        """
+        missing = self.effects - handlers.keys()
+        extra = handlers.keys() - self.effects
+        if missing or extra:
+            raise ValueError(
+                f"{self.name}: effects without a handler {sorted(missing)}, "
+                f"handlers for no declared effect {sorted(extra)}"
+            )
+        return BoundMachine(self, handlers)
+
+    def guard_names(self) -> list[str]:
+        """Every guard (``conditions`` name) the declaration uses, sorted."""
+        return self._condition_names()
 
     def _condition_names(self) -> list[str]:
         return sorted({c for d in self.transitions for c in _as_list(d.get("conditions", []))})
@@ -112,6 +161,80 @@ class MachineSpec:
             ignore_invalid_triggers=False,
             **kwargs,
         )
+
+
+Handler = Callable[..., Any]
+
+
+def no_effect(_owner: Any, _record: Any, *_args: Any) -> None:
+    """The handler of :data:`NO_EFFECT`: the state change is all there is."""
+
+
+class BoundMachine:
+    """A :class:`MachineSpec` whose effects are bound to handlers: the table drives the action.
+
+    The hot path is one dict lookup, one attribute store and one call.
+    """
+
+    __slots__ = ("_dispatch", "handlers", "spec")
+
+    def __init__(self, spec: MachineSpec, handlers: Mapping[str, Handler]) -> None:
+        self.spec = spec
+        self.handlers = dict(handlers)
+        self._dispatch: dict[tuple[str, str], tuple[Handler, str]] = {
+            key: (self.handlers[effect], dest) for key, (effect, dest) in spec.table.items()
+        }
+
+    def fire(
+        self,
+        owner: Any,
+        record: Any,
+        event: str,
+        *args: Any,
+        error: type[ProtocolError] = LocalProtocolError,
+    ) -> Any:
+        """Set ``record.state`` by the table, then run the bound handler and return its result.
+
+        A forbidden ``(record.state, event)`` raises ``error`` and changes nothing.
+        """
+        try:
+            handler, record.state = self._dispatch[(record.state, event)]
+        except KeyError:
+            raise error(
+                f"{self.spec.name}: input {event} is not allowed in state {record.state}"
+            ) from None
+        return handler(owner, record, *args)
+
+    def react(
+        self,
+        owner: Any,
+        record: Any,
+        state: str,
+        event: str,
+        *args: Any,
+        error: type[ProtocolError] = LocalProtocolError,
+    ) -> Any:
+        """:meth:`fire` for an input every declared source of which STAYS in its state, when
+        the record may not exist (a peer bound to no session): ``state`` stands for its
+        state, and ``record`` (possibly None) goes to the handler. Returns its result."""
+        try:
+            handler, dest = self._dispatch[(state, event)]
+        except KeyError:
+            raise error(
+                f"{self.spec.name}: input {event} is not allowed in state {state}"
+            ) from None
+        if dest != state:
+            raise ValueError(f"{self.spec.name}: {event} leaves {state}; use fire")
+        return handler(owner, record, *args)
+
+
+def check_guards(specs: Sequence[MachineSpec], guards: Mapping[str, Guard]) -> None:
+    """Raise unless ``guards`` declares exactly the guards ``specs`` name."""
+    named = {g for spec in specs for g in spec.guard_names()}
+    missing = named - guards.keys()
+    extra = guards.keys() - named
+    if missing or extra:
+        raise ValueError(f"undeclared guards {sorted(missing)}, unused guards {sorted(extra)}")
 
 
 def stay(

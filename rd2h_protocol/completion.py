@@ -40,7 +40,7 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
-from rd2h_protocol._machine import MachineSpec, stay
+from rd2h_protocol._machine import Guard, MachineSpec, stay
 from rd2h_protocol.errors import ConfigError, LocalProtocolError, TopologyError
 
 __all__ = [
@@ -52,6 +52,30 @@ __all__ = [
     "CrossRankCompletion",
     "RankReport",
 ]
+
+
+#: Every guard the completion tables name: what it says and the method that resolves it.
+GUARDS: Final[dict[str, Guard]] = {
+    "others_missing": Guard(
+        "a new member reported and others have not yet", "ContributorSet.report"
+    ),
+    "last_member": Guard("the last missing member reported", "ContributorSet.report"),
+    "other_ranks_missing": Guard(
+        "a new rank reported the request terminal and others have not yet",
+        "CrossRankCompletion._on_report",
+    ),
+    "all_ranks_terminal": Guard(
+        "the last missing rank reported the request terminal", "CrossRankCompletion._on_report"
+    ),
+    "mapped": Guard(
+        "resolve() knows the request's internal id",
+        "CrossRankCompletion._on_report, ._retry_unmapped",
+    ),
+    "not_mapped": Guard(
+        "resolve() does not know the request's internal id yet",
+        "CrossRankCompletion._on_report, ._retry_unmapped",
+    ),
+}
 
 
 # -- contributor completion (one request on one Decode rank) -------------------------------
@@ -77,6 +101,7 @@ CONTRIBUTOR_COMPLETION: Final = MachineSpec(
     """,
     states=(CONTRIB_WAITING, CONTRIB_COMPLETE),
     initial=CONTRIB_WAITING,
+    guards=GUARDS,
     terminal=frozenset({CONTRIB_COMPLETE}),
     transitions=(
         {
@@ -152,12 +177,31 @@ class ContributorSet:
             event = RECV_DONE_LAST
         else:
             event = RECV_DONE_NEW
-        effect, self.state = CONTRIBUTOR_COMPLETION.step(self.state, event)
-        if effect == EFFECT_IGNORE_DUPLICATE:
-            self.duplicates += 1
-        else:
-            self._members.add(member)
+        effect: str = _CONTRIBUTORS.fire(self, self, event, member)
         return effect
+
+    # The machine's effects: (contributors, member) -> the effect's name.
+
+    def _fx_count(self, _self: ContributorSet, member: int) -> str:
+        self._members.add(member)
+        return EFFECT_COUNT
+
+    def _fx_complete(self, _self: ContributorSet, member: int) -> str:
+        self._members.add(member)
+        return EFFECT_COMPLETE
+
+    def _fx_ignore_duplicate(self, _self: ContributorSet, member: int) -> str:
+        self.duplicates += 1
+        return EFFECT_IGNORE_DUPLICATE
+
+
+_CONTRIBUTORS: Final = CONTRIBUTOR_COMPLETION.bind(
+    {
+        EFFECT_COUNT: ContributorSet._fx_count,
+        EFFECT_COMPLETE: ContributorSet._fx_complete,
+        EFFECT_IGNORE_DUPLICATE: ContributorSet._fx_ignore_duplicate,
+    }
+)
 
 
 # -- cross-rank completion (one request across the Decode TP ranks) ------------------------
@@ -193,6 +237,7 @@ CROSS_RANK_COMPLETION: Final = MachineSpec(
     """,
     states=(XR_COLLECTING, XR_UNMAPPED, XR_FINISHED, XR_DROPPED),
     initial=XR_COLLECTING,
+    guards=GUARDS,
     terminal=frozenset({XR_FINISHED, XR_DROPPED}),
     transitions=(
         {
@@ -395,20 +440,72 @@ class CrossRankCompletion:
         else:
             req_id = resolve(ext)
             event = RECV_LAST_RANK if req_id is not None else RECV_LAST_RANK_UNMAPPED
-        effect, entry.state = CROSS_RANK_COMPLETION.step(entry.state, event)
-        if effect == EFFECT_IGNORE_DUPLICATE:
-            self.stats.duplicate_reports += 1
-            return
+        _CROSS_RANK.fire(self, entry, event, ext, resolve, now, tally, rank, failed)
+
+    # The machine's effects: (entry, ext, resolve, now, tally, rank, failed), the last two
+    # for a rank's report only.
+
+    def _fx_ignore_duplicate(self, *_report: object) -> None:
+        self.stats.duplicate_reports += 1
+
+    def _fx_record(
+        self,
+        entry: _Entry,
+        _ext: str,
+        _resolve: object,
+        _now: float,
+        _tally: _Tally,
+        rank: int,
+        failed: bool,
+    ) -> None:
         entry.ranks.add(rank)
         entry.failed = entry.failed or failed
-        if effect == EFFECT_FINISH:
+
+    def _fx_finish(
+        self,
+        entry: _Entry,
+        ext: str,
+        resolve: Callable[[str], str | None],
+        now: float,
+        tally: _Tally,
+        rank: int | None = None,
+        failed: bool = False,
+    ) -> None:
+        """Terminal on every rank and mapped: finished (the last rank's report, or the
+        mapping found while it waited unmapped)."""
+        if rank is not None:
+            self._fx_record(entry, ext, resolve, now, tally, rank, failed)
             del self._collecting[ext]
-            self._finish(ext, entry, resolve, tally)
-        elif effect == EFFECT_KEEP:
-            del self._collecting[ext]
-            entry.since = now
-            self._unmapped[ext] = entry
-            self._evict_overflow(tally)
+        else:
+            del self._unmapped[ext]
+        self._finish(ext, entry, resolve, tally)
+
+    def _fx_keep(
+        self,
+        entry: _Entry,
+        ext: str,
+        resolve: Callable[[str], str | None],
+        now: float,
+        tally: _Tally,
+        rank: int,
+        failed: bool,
+    ) -> None:
+        """Terminal on every rank, not mapped yet: wait unmapped (bounded)."""
+        self._fx_record(entry, ext, resolve, now, tally, rank, failed)
+        del self._collecting[ext]
+        entry.since = now
+        self._unmapped[ext] = entry
+        self._evict_overflow(tally)
+
+    def _fx_retry(self, *_context: object) -> None:
+        self.stats.retried_unmapped += 1
+
+    def _fx_drop(
+        self, _entry: _Entry, ext: str, _resolve: None, _now: float, tally: _Tally
+    ) -> None:
+        """Given up without a mapping (too many or too old), for the caller's log."""
+        tally.dropped.append(ext)
+        self.stats.dropped += 1
 
     def _finish(
         self, ext: str, entry: _Entry, resolve: Callable[[str], str | None], tally: _Tally
@@ -422,22 +519,15 @@ class CrossRankCompletion:
             self.stats.load_errors += 1
 
     def _drop(self, ext: str, entry: _Entry, event: str, tally: _Tally) -> None:
-        _effect, entry.state = CROSS_RANK_COMPLETION.step(entry.state, event)
-        tally.dropped.append(ext)
-        self.stats.dropped += 1
+        _CROSS_RANK.fire(self, entry, event, ext, None, 0.0, tally)
 
     def _retry_unmapped(
         self, resolve: Callable[[str], str | None], now: float, tally: _Tally
     ) -> None:
         for ext in list(self._unmapped):
             entry = self._unmapped[ext]
-            if resolve(ext) is None:
-                CROSS_RANK_COMPLETION.step(entry.state, LOCAL_STILL_UNMAPPED)
-                self.stats.retried_unmapped += 1
-                continue
-            _effect, entry.state = CROSS_RANK_COMPLETION.step(entry.state, LOCAL_MAPPED)
-            del self._unmapped[ext]
-            self._finish(ext, entry, resolve, tally)
+            event = LOCAL_STILL_UNMAPPED if resolve(ext) is None else LOCAL_MAPPED
+            _CROSS_RANK.fire(self, entry, event, ext, resolve, now, tally)
 
     def _evict_overflow(self, tally: _Tally) -> None:
         while len(self._unmapped) > self.max_unmapped:
@@ -458,3 +548,15 @@ class CrossRankCompletion:
         ]:
             entry = self._collecting.pop(ext)
             self._drop(ext, entry, TIMER_GIVE_UP, tally)
+
+
+_CROSS_RANK: Final = CROSS_RANK_COMPLETION.bind(
+    {
+        EFFECT_RECORD: CrossRankCompletion._fx_record,
+        EFFECT_FINISH: CrossRankCompletion._fx_finish,
+        EFFECT_KEEP: CrossRankCompletion._fx_keep,
+        EFFECT_IGNORE_DUPLICATE: CrossRankCompletion._fx_ignore_duplicate,
+        EFFECT_RETRY: CrossRankCompletion._fx_retry,
+        EFFECT_DROP: CrossRankCompletion._fx_drop,
+    }
+)

@@ -1,5 +1,9 @@
 """The Decode side of the protocol: one sans-IO endpoint per Decode TP rank.
 
+Over 600 lines: one endpoint class whose effect handlers (bound to the tables of
+:mod:`rd2h_protocol.consumer_machines`) share its private state; split into modules they
+would reach back into one another's records. The checker imports its private names here.
+
 Theory of operation
 -------------------
 :class:`ConsumerEndpoint` owns nothing but state. The runtime feeds it what happened --
@@ -68,6 +72,7 @@ from typing import Annotated, Any, Final, Literal, TypeAlias
 
 import msgspec
 
+from rd2h_protocol._machine import NO_EFFECT, no_effect
 from rd2h_protocol.codec import decode
 from rd2h_protocol.completion import EFFECT_IGNORE_DUPLICATE, ContributorSet
 from rd2h_protocol.consumer_machines import (
@@ -78,16 +83,25 @@ from rd2h_protocol.consumer_machines import (
     EFFECT_ACCEPT,
     EFFECT_ACK_V1,
     EFFECT_ACK_V2,
+    EFFECT_APPLY_ABORT,
     EFFECT_DROP,
     EFFECT_FAIL,
     EFFECT_FAIL_HOLD,
     EFFECT_FAIL_RELEASE,
     EFFECT_ISOLATE,
+    EFFECT_PARK,
+    EFFECT_PROCESS,
     EFFECT_PROGRESS,
+    EFFECT_REFUSE_V1,
+    EFFECT_REFUSE_V2,
     EFFECT_RELEASE,
+    EFFECT_REPLY_DONE,
+    EFFECT_REPLY_FAILED,
     EFFECT_REPLY_REFUSED,
     EFFECT_REPLY_UNKNOWN_SESSION,
     EFFECT_REPORT_DONE,
+    EFFECT_SERVE,
+    EFFECT_START_READ,
     M_LOCAL_NOTHING_TO_READ,
     M_LOCAL_PARK,
     M_LOCAL_READ_FAILED,
@@ -832,8 +846,7 @@ class ConsumerEndpoint:
             self._unpark(item)
             self.stats.park_expired += 1
             if isinstance(item, _Readiness):
-                self._readiness_step(item, M_TIMER_PARK_EXPIRED)
-                self._serve(item, now, allow_park=False)
+                _READINESS.fire(self, item, M_TIMER_PARK_EXPIRED, now)
         while self._deadlines:
             ext, deadline = next(iter(self._deadlines.items()))
             if deadline > now:
@@ -1070,7 +1083,15 @@ class ConsumerEndpoint:
         else:
             event = S_RECV_MF_META_BAD_V2 if v2 else S_RECV_MF_META_BAD_V1
         session = self._bind(peer, msg.p_session)
-        effect, session.state = DECODE_SESSION.step(session.state, event, RemoteProtocolError)
+        _SESSION.fire(self, session, event, peer, msg, layers, error, error=RemoteProtocolError)
+
+    # The session machine's MF_META effects: (session, peer, msg, layers, refusal).
+
+    def _install_handshake(
+        self, session: _Session, msg: MfMeta, layers: dict[str, LayerLayout]
+    ) -> None:
+        """A new MF_META replaces the session's previous handshake, refused or not."""
+        v2 = msg.protocol_version is not None and msg.protocol_version >= 2
         session.validated = {}
         session.layers = layers
         session.id_bound = _id_bound(layers)
@@ -1079,19 +1100,56 @@ class ConsumerEndpoint:
         self._enforce_session_budgets(session)
         session.caps = frozenset(msg.capabilities or ()) & self._caps if v2 else frozenset()
         session.next_seq = msg.first_seq if v2 else None
-        if effect == EFFECT_ACK_V1:
-            self.stats.handshakes += 1
-            self._out.append(Reply(peer, Ack(kind=TAG_ACK_V1)))
-        elif effect == EFFECT_ACK_V2:
-            self.stats.handshakes += 1
-            self._out.append(Reply(peer, self._ack()))
-        else:
-            assert error is not None
-            session.refusal = error
-            self.stats.refused_handshakes += 1
-            if effect != EFFECT_DROP:  # v2: say why; a v1 peer has no refusal shape
-                code, text = error
-                self._out.append(Reply(peer, self._ack(error_code=int(code), error=_clip(text))))
+
+    def _fx_ack_v1(
+        self,
+        session: _Session,
+        peer: bytes,
+        msg: MfMeta,
+        layers: dict[str, LayerLayout],
+        _refusal: None,
+    ) -> None:
+        self._install_handshake(session, msg, layers)
+        self.stats.handshakes += 1
+        self._out.append(Reply(peer, Ack(kind=TAG_ACK_V1)))
+
+    def _fx_ack_v2(
+        self,
+        session: _Session,
+        peer: bytes,
+        msg: MfMeta,
+        layers: dict[str, LayerLayout],
+        _refusal: None,
+    ) -> None:
+        self._install_handshake(session, msg, layers)
+        self.stats.handshakes += 1
+        self._out.append(Reply(peer, self._ack()))
+
+    def _fx_refuse_v1(
+        self,
+        session: _Session,
+        peer: bytes,
+        msg: MfMeta,
+        layers: dict[str, LayerLayout],
+        refusal: tuple[ErrorCode, str],
+    ) -> None:
+        """Refused; a v1 peer has no refusal shape: nothing is said."""
+        self._install_handshake(session, msg, layers)
+        session.refusal = refusal
+        self.stats.refused_handshakes += 1
+
+    def _fx_refuse_v2(
+        self,
+        session: _Session,
+        peer: bytes,
+        msg: MfMeta,
+        layers: dict[str, LayerLayout],
+        refusal: tuple[ErrorCode, str],
+    ) -> None:
+        """Refused: the Ack says why."""
+        self._fx_refuse_v1(session, peer, msg, layers, refusal)
+        code, text = refusal
+        self._out.append(Reply(peer, self._ack(error_code=int(code), error=_clip(text))))
 
     def _ack(self, error_code: int | None = None, error: str | None = None) -> Ack:
         caps: list[str] = [c for c in ALL_CAPABILITIES if c in self._caps]
@@ -1167,10 +1225,14 @@ class ConsumerEndpoint:
     def _on_abort(self, peer: bytes, msg: Abort, now: float) -> None:
         session = self._session_of(peer)
         state = SESSION_UNBOUND if session is None else session.state
-        effect, _ = DECODE_SESSION.step(state, S_RECV_ABORT, RemoteProtocolError)
-        if effect == EFFECT_DROP or session is None:
-            self.stats.dropped += 1
-            return
+        _SESSION.react(self, session, state, S_RECV_ABORT, msg, now, error=RemoteProtocolError)
+
+    def _fx_drop(self, _session: _Session | None, _msg: Abort, _now: float) -> None:
+        """An ABORT from a peer with no usable session: count it."""
+        self.stats.dropped += 1
+
+    def _fx_apply_abort(self, session: _Session, msg: Abort, now: float) -> None:
+        """Fail the requests an ABORT names; park it for those not known yet."""
         self.stats.aborts_received += 1
         reason = f"aborted by Prefill: {msg.reason}" if msg.reason else "aborted by Prefill"
         missing: set[str] = set()
@@ -1195,34 +1257,39 @@ class ConsumerEndpoint:
     ) -> None:
         session = self._session_of(peer)
         state = SESSION_UNBOUND if session is None else session.state
-        effect, _ = DECODE_SESSION.step(state, S_RECV_READINESS, RemoteProtocolError)
         rd = _Readiness(peer, "" if session is None else session.name, msg, now, ids_below)
-        if effect == EFFECT_REPLY_UNKNOWN_SESSION:
-            self.stats.unknown_session += 1
-            # A v2 Prefill (seq present) re-handshakes and replays this message once, so
-            # its requests stay alive; a v1 one never replays, so they cannot complete.
-            self._refuse(
-                rd,
-                now,
-                ErrorCode.UNKNOWN_SESSION,
-                "no MF_META handshake on this connection",
-                fail_known=msg.seq is None,
-            )
-        elif effect == EFFECT_REPLY_REFUSED:
-            assert session is not None
-            code, text = session.refusal
-            self._refuse(rd, now, code, f"handshake refused: {text}")
-        else:
-            assert session is not None
-            if msg.seq is not None and CAP_SEQ in session.caps:
-                if CAP_RESEND in session.caps:
-                    if self._repeated(rd, session):
-                        return
-                    self._remember(session, msg.seq, None)
-                if self._lost_before(session, msg):
-                    self._refuse_after_loss(rd, session, now)
+        _SESSION.react(self, session, state, S_RECV_READINESS, rd, now, error=RemoteProtocolError)
+
+    # The session machine's RECV_READINESS effects: (session, rd, now).
+
+    def _fx_reply_unknown_session(self, _session: None, rd: _Readiness, now: float) -> None:
+        self.stats.unknown_session += 1
+        # A v2 Prefill (seq present) re-handshakes and replays this message once, so
+        # its requests stay alive; a v1 one never replays, so they cannot complete.
+        self._refuse(
+            rd,
+            now,
+            ErrorCode.UNKNOWN_SESSION,
+            "no MF_META handshake on this connection",
+            fail_known=rd.msg.seq is None,
+        )
+
+    def _fx_reply_refused(self, session: _Session, rd: _Readiness, now: float) -> None:
+        code, text = session.refusal
+        self._refuse(rd, now, code, f"handshake refused: {text}")
+
+    def _fx_serve(self, session: _Session, rd: _Readiness, now: float) -> None:
+        """Serve the readiness: a repeated seq from memory, a seq gap refused, else read."""
+        msg = rd.msg
+        if msg.seq is not None and CAP_SEQ in session.caps:
+            if CAP_RESEND in session.caps:
+                if self._repeated(rd, session):
                     return
-            self._serve(rd, now, allow_park=True)
+                self._remember(session, msg.seq, None)
+            if self._lost_before(session, msg):
+                self._refuse_after_loss(rd, session, now)
+                return
+        self._serve(rd, now, allow_park=True)
 
     def _repeated(self, rd: _Readiness, session: _Session) -> bool:
         """Whether ``rd`` carries a seq this session sent before (resent after a broken
@@ -1362,8 +1429,8 @@ class ConsumerEndpoint:
                 rd.deadline = now + self.config.park_timeout_s
                 if rd.start_by is not None:
                     rd.deadline = min(rd.deadline, rd.start_by)
-                if self._park(rd):
-                    self._readiness_step(rd, M_LOCAL_PARK)
+                if self._park_has_room(rd):
+                    _READINESS.fire(self, rd, M_LOCAL_PARK)
                     return
                 rd.missing = set()
         if rd.start_by is not None and now > rd.start_by:
@@ -1404,31 +1471,15 @@ class ConsumerEndpoint:
             if req is None:
                 self._isolate(rd, ext, ErrorCode.UNKNOWN_REQUEST, "unknown request")
                 continue
-            effect, _ = DECODE_REQUEST.step(req.state, R_RECV_READINESS)
-            if effect == EFFECT_ISOLATE:
-                self._isolate(rd, ext, *self._not_waiting(req))
-                continue
-            try:
-                if counts.get(ext, 0) > 1:
-                    raise RemoteProtocolError("the request appears more than once in the message")
-                if req.contributors is not None:
-                    req.contributors.check_ratio(msg.tp_ratio)
-                read = None if entry is None else self._share(req, entry, src, rd, bool(indexer))
-            except ProtocolError as exc:
-                self._isolate(rd, ext, exc.code, exc.message)
-                self._request_event(req, R_LOCAL_FAIL, now, exc.code, exc.message)
-                continue
-            self._request_event(req, R_RECV_READINESS, now)
-            req.sessions.add(session.name)
-            if req.contributors is None:
-                req.contributors = ContributorSet(msg.tp_ratio)
-            rd.accepted.append(req)
+            read = _REQUEST.fire(
+                self, req, R_RECV_READINESS, rd, entry, counts.get(ext, 0), src, indexer, now
+            )
             if read is not None and (read.main_src or read.indexer_src):
                 reads.append(read)
                 rd.in_plan.append(req)
         if not reads:
-            self._readiness_step(rd, M_LOCAL_NOTHING_TO_READ)
-            self._complete_success(rd, now)
+            _READINESS.fire(self, rd, M_LOCAL_NOTHING_TO_READ)
+            self._count_done(rd, now)
             return
         read_id = self._next_read_id
         self._next_read_id += 1
@@ -1437,9 +1488,8 @@ class ConsumerEndpoint:
         for req in rd.in_plan:
             req.in_flight += 1
         self._reads[read_id] = rd
-        self._readiness_step(rd, M_LOCAL_START_READ)
         self.stats.reads_started += 1
-        self._out.append(StartRead(rd.plan, rd.start_by, rd.finish_by))
+        _READINESS.fire(self, rd, M_LOCAL_START_READ)
 
     def _share(
         self,
@@ -1512,19 +1562,56 @@ class ConsumerEndpoint:
         self.stats.isolated_requests += 1
         rd.isolated.append(FailedRequest(ext, int(code), _clip(text)))
 
+    # The request machine's RECV_READINESS effects: (req, rd, entry, count, src, indexer,
+    # now) -> the request's share of the read, or None (nothing to read for it).
+
+    def _fx_isolate(self, req: _Request, rd: _Readiness, *_context: Any) -> None:
+        """The request stopped waiting: leave it out of the read, report it alone."""
+        self._isolate(rd, req.ext_id, *self._not_waiting(req))
+
+    def _fx_accept(
+        self,
+        req: _Request,
+        rd: _Readiness,
+        entry: ReadReq | None,
+        count: int,
+        src: LayerLayout,
+        indexer: tuple[ComponentAddrs, ...],
+        now: float,
+    ) -> RequestRead | None:
+        """Take the readiness for the request: its entry must be sound (named once, the
+        same ``tp_ratio``, a destination range that fits, source ids within the layout),
+        else the request is isolated and fails (``LOCAL_FAIL``)."""
+        msg = rd.msg
+        try:
+            if count > 1:
+                raise RemoteProtocolError("the request appears more than once in the message")
+            if req.contributors is not None:
+                req.contributors.check_ratio(msg.tp_ratio)
+            read = None if entry is None else self._share(req, entry, src, rd, bool(indexer))
+        except ProtocolError as exc:
+            self._isolate(rd, req.ext_id, exc.code, exc.message)
+            self._request_event(req, R_LOCAL_FAIL, now, exc.code, exc.message)
+            return None
+        self._touch(req, now)
+        req.sessions.add(rd.session)
+        if req.contributors is None:
+            req.contributors = ContributorSet(msg.tp_ratio)
+        rd.accepted.append(req)
+        return read
+
     # -- read outcomes ---------------------------------------------------------------------
 
     def _read_succeeded(self, rd: _Readiness, now: float) -> None:
-        self._readiness_step(rd, M_LOCAL_READ_OK)
+        _READINESS.fire(self, rd, M_LOCAL_READ_OK)
         for req in rd.in_plan:
             req.in_flight -= 1
             self._request_event(req, R_LOCAL_READ_OK, now)
-        self._complete_success(rd, now)
+        self._count_done(rd, now)
         self._release_quiescent(rd.in_plan, now)
 
-    def _complete_success(self, rd: _Readiness, now: float) -> None:
-        """Reply done, count the message's done signals, complete what can complete."""
-        self._reply_done(rd)
+    def _count_done(self, rd: _Readiness, now: float) -> None:
+        """After the done reply: count the message's done signals, complete what can."""
         msg = rd.msg
         accepted = {req.ext_id: req for req in rd.accepted}
         for ext in _unique(msg.done_ext_ids):
@@ -1584,20 +1671,18 @@ class ConsumerEndpoint:
         rd.in_plan = keep
         rd.retries_left -= 1
         self._reads[read_id] = rd
-        self._readiness_step(rd, M_LOCAL_READ_RETRY)
         self.stats.read_retries += 1
-        self._out.append(StartRead(rd.plan, rd.start_by, rd.finish_by))
+        _READINESS.fire(self, rd, M_LOCAL_READ_RETRY)
 
     def _read_failed(self, rd: _Readiness, error: TransferError, now: float) -> None:
         self.stats.reads_failed += 1
         code = error.code
         if code == ErrorCode.LEASE_EXPIRED:
             self.stats.expired_leases += 1
-        self._readiness_step(rd, M_LOCAL_READ_FAILED)
         text = f"batched read failed: {error.message}"
         if error.backend_code is not None:
             text += f" (backend code {error.backend_code})"
-        self._reply_failed(rd, code, text)
+        _READINESS.fire(self, rd, M_LOCAL_READ_FAILED, code, text)
         for req in rd.in_plan:
             req.in_flight -= 1
         for req in rd.accepted:
@@ -1648,9 +1733,8 @@ class ConsumerEndpoint:
         self, rd: _Readiness, now: float, code: ErrorCode, text: str, *, fail_known: bool = True
     ) -> None:
         """Fail the whole readiness: reply read_failed, fail every known request it names."""
-        self._readiness_step(rd, M_LOCAL_REFUSE)
+        _READINESS.fire(self, rd, M_LOCAL_REFUSE, code, text)
         self.stats.layer_failures += 1
-        self._reply_failed(rd, code, text)
         if fail_known:
             self._fail_known(_message_ids(rd.msg), now, code, text)
 
@@ -1663,6 +1747,14 @@ class ConsumerEndpoint:
     # -- parking ---------------------------------------------------------------------------
 
     def _park(self, item: _Parked) -> bool:
+        """Park ``item`` if the park has room for it (else count why not)."""
+        if not self._park_has_room(item):
+            return False
+        self._put_parked(item)
+        return True
+
+    def _park_has_room(self, item: _Parked) -> bool:
+        """The ``park_has_room`` guard: the count and id budgets (a refusal is counted)."""
         if len(self._parked) >= self.config.max_parked:
             self.stats.park_overflow += 1
             return False
@@ -1674,6 +1766,11 @@ class ConsumerEndpoint:
         ):
             self.stats.park_budget_refusals += 1
             return False
+        return True
+
+    def _put_parked(self, item: _Parked) -> None:
+        cost = _park_cost(item)
+        mine = self._parked_ids_by_session.get(item.session, 0) + cost
         self._parked_ids += cost
         self._parked_ids_by_session[item.session] = mine
         item.park_id = self._next_park_id
@@ -1682,7 +1779,6 @@ class ConsumerEndpoint:
         for ext in item.missing:
             self._waiting.setdefault(ext, set()).add(item.park_id)
         self.stats.parked += 1
-        return True
 
     def _unpark(self, item: _Parked) -> None:
         del self._parked[item.park_id]
@@ -1718,8 +1814,7 @@ class ConsumerEndpoint:
                     self._unpark(item)
             elif not item.missing:
                 self._unpark(item)
-                self._readiness_step(item, M_LOCAL_UNPARK)
-                self._serve(item, now, allow_park=False)
+                _READINESS.fire(self, item, M_LOCAL_UNPARK, now)
 
     def _retire(self, ext: str, now: float) -> None:
         """Remember ``ext`` as finished here: readiness for it is refused, not parked."""
@@ -1752,20 +1847,33 @@ class ConsumerEndpoint:
         *,
         exclude: str | None = None,
     ) -> None:
-        """Step ``req``'s machine with ``event`` and perform the effect."""
-        effect, req.state = DECODE_REQUEST.step(req.state, event)
-        if effect in (EFFECT_ACCEPT, EFFECT_PROGRESS):
-            self._touch(req, now)
-        elif effect == EFFECT_REPORT_DONE:
-            self._deadlines.pop(req.ext_id, None)
-            self.stats.requests_done += 1
-            self._out.append(RequestDone(req.ext_id))
-        elif effect in (EFFECT_FAIL, EFFECT_FAIL_RELEASE, EFFECT_FAIL_HOLD):
-            self._fail(req, code, text, exclude)
-            if effect == EFFECT_FAIL_RELEASE:
-                self._released(req, now)
-        elif effect == EFFECT_RELEASE:
-            self._released(req, now)
+        """Fire ``event`` on ``req``'s machine (every input but RECV_READINESS)."""
+        _REQUEST.fire(self, req, event, now, code, text, exclude)
+
+    # The request machine's other effects: (req, now, code, text, exclude).
+
+    def _fx_progress(self, req: _Request, now: float, *_failure: Any) -> None:
+        """A read for it succeeded: restart its load timer."""
+        self._touch(req, now)
+
+    def _fx_report_done(self, req: _Request, *_context: Any) -> None:
+        self._deadlines.pop(req.ext_id, None)
+        self.stats.requests_done += 1
+        self._out.append(RequestDone(req.ext_id))
+
+    def _fx_fail(
+        self, req: _Request, now: float, code: ErrorCode, text: str, exclude: str | None
+    ) -> None:
+        self._fail(req, code, text, exclude)
+
+    def _fx_fail_release(
+        self, req: _Request, now: float, code: ErrorCode, text: str, exclude: str | None
+    ) -> None:
+        self._fail(req, code, text, exclude)
+        self._released(req, now)
+
+    def _fx_release(self, req: _Request, now: float, *_failure: Any) -> None:
+        self._released(req, now)
 
     def _fail(self, req: _Request, code: ErrorCode, text: str, exclude: str | None) -> None:
         self._deadlines.pop(req.ext_id, None)
@@ -1786,8 +1894,18 @@ class ConsumerEndpoint:
         self._out.append(Releasable(req.ext_id))
         self._retire(req.ext_id, now)
 
-    def _readiness_step(self, rd: _Readiness, event: str) -> None:
-        _effect, rd.state = DECODE_READINESS.step(rd.state, event)
+    # -- the readiness machine's effects ---------------------------------------------------
+
+    def _fx_park(self, rd: _Readiness) -> None:
+        self._put_parked(rd)
+
+    def _fx_process(self, rd: _Readiness, now: float) -> None:
+        """Out of the park: serve it now, its still-unknown requests isolated."""
+        self._serve(rd, now, allow_park=False)
+
+    def _fx_start_read(self, rd: _Readiness) -> None:
+        assert rd.plan is not None
+        self._out.append(StartRead(rd.plan, rd.start_by, rd.finish_by))
 
     # -- output ----------------------------------------------------------------------------
 
@@ -1809,3 +1927,42 @@ class ConsumerEndpoint:
                 self.stats.aborts_sent += 1
         self._aborts = {}
         return out
+
+
+# -- the tables drive the action: each declared effect bound to its handler ----------------
+
+_READINESS: Final = DECODE_READINESS.bind(
+    {
+        EFFECT_PARK: ConsumerEndpoint._fx_park,
+        EFFECT_PROCESS: ConsumerEndpoint._fx_process,
+        EFFECT_START_READ: ConsumerEndpoint._fx_start_read,
+        EFFECT_REPLY_DONE: ConsumerEndpoint._reply_done,
+        EFFECT_REPLY_FAILED: ConsumerEndpoint._reply_failed,
+    }
+)
+_REQUEST: Final = DECODE_REQUEST.bind(
+    {
+        NO_EFFECT: no_effect,
+        EFFECT_ACCEPT: ConsumerEndpoint._fx_accept,
+        EFFECT_ISOLATE: ConsumerEndpoint._fx_isolate,
+        EFFECT_PROGRESS: ConsumerEndpoint._fx_progress,
+        EFFECT_REPORT_DONE: ConsumerEndpoint._fx_report_done,
+        EFFECT_FAIL: ConsumerEndpoint._fx_fail,
+        EFFECT_FAIL_RELEASE: ConsumerEndpoint._fx_fail_release,
+        EFFECT_FAIL_HOLD: ConsumerEndpoint._fx_fail,  # (release_pending is the hold)
+        EFFECT_RELEASE: ConsumerEndpoint._fx_release,
+    }
+)
+_SESSION: Final = DECODE_SESSION.bind(
+    {
+        EFFECT_ACK_V1: ConsumerEndpoint._fx_ack_v1,
+        EFFECT_ACK_V2: ConsumerEndpoint._fx_ack_v2,
+        EFFECT_REFUSE_V1: ConsumerEndpoint._fx_refuse_v1,
+        EFFECT_REFUSE_V2: ConsumerEndpoint._fx_refuse_v2,
+        EFFECT_SERVE: ConsumerEndpoint._fx_serve,
+        EFFECT_REPLY_REFUSED: ConsumerEndpoint._fx_reply_refused,
+        EFFECT_REPLY_UNKNOWN_SESSION: ConsumerEndpoint._fx_reply_unknown_session,
+        EFFECT_APPLY_ABORT: ConsumerEndpoint._fx_apply_abort,
+        EFFECT_DROP: ConsumerEndpoint._fx_drop,
+    }
+)

@@ -5,8 +5,9 @@ Theory of operation
 A Decode TP rank owns destinations and pulls data into them. Three machines of its own
 (plus the two completion machines of :mod:`rd2h_protocol.completion`) track that; every
 rule that changes their state lives in the tables below, and
-:mod:`rd2h_protocol.consumer` only resolves guards (counts, lookups) and performs the
-named effects.
+:mod:`rd2h_protocol.consumer` only resolves guards (counts, lookups; :data:`GUARDS` says
+which method resolves each) and binds each named effect to the handler that performs it
+(the table drives the action: see :mod:`rd2h_protocol._machine`).
 
 * **Decode request** (one per request this rank will receive KV for):
   ``allocated`` (destination blocks known) -> ``advertised`` (rendezvous posted) ->
@@ -41,8 +42,57 @@ from __future__ import annotations
 
 from typing import Final
 
-from rd2h_protocol._machine import MachineSpec, stay
+from rd2h_protocol._machine import Guard, MachineSpec, check_guards, stay
 from rd2h_protocol.completion import CONTRIBUTOR_COMPLETION, CROSS_RANK_COMPLETION
+from rd2h_protocol.completion import GUARDS as COMPLETION_GUARDS
+
+#: Every guard the Decode tables name: what it says and the method that resolves it.
+GUARDS: Final[dict[str, Guard]] = {
+    "all_contributors_reported": Guard(
+        "every contributor's final-layer done signal was counted",
+        "ConsumerEndpoint._count_done (ContributorSet.complete)",
+    ),
+    "no_read_in_flight": Guard(
+        "no read that writes the request's blocks is in flight (in_flight == 0)",
+        "ConsumerEndpoint._count_done, .release, ._release_quiescent",
+    ),
+    "no_parked_readiness_names_it": Guard(
+        "no parked readiness names the request (its blocks are not all read yet)",
+        "ConsumerEndpoint._named_by_parked",
+    ),
+    "read_in_flight": Guard(
+        "a read that writes the request's blocks is in flight (in_flight > 0)",
+        "ConsumerEndpoint.release",
+    ),
+    "requests_unknown": Guard(
+        "the readiness names requests this rank neither holds nor retired",
+        "ConsumerEndpoint._serve (allow_park)",
+    ),
+    "park_has_room": Guard(
+        "the park has room: max_parked, max_parked_ids(_per_session)",
+        "ConsumerEndpoint._park_has_room",
+    ),
+    "requests_known": Guard(
+        "every request the parked readiness waited for arrived or retired",
+        "ConsumerEndpoint._resolve_waiting",
+    ),
+    "lease_leaves_half": Guard(
+        "at least half of lease_ms is left since the readiness arrived (start_by)",
+        "ConsumerEndpoint._serve, ._may_retry",
+    ),
+    "transient_error": Guard(
+        "the read's TransferError is transient", "ConsumerEndpoint._may_retry"
+    ),
+    "error_not_lease_expired": Guard(
+        "the read's error is not LEASE_EXPIRED", "ConsumerEndpoint._may_retry"
+    ),
+    "retries_left": Guard("max_read_retries not used up", "ConsumerEndpoint._may_retry"),
+    "a_request_still_receiving": Guard(
+        "a request of the read is still receiving", "ConsumerEndpoint._may_retry"
+    ),
+    **COMPLETION_GUARDS,
+}
+
 
 # -- Decode request ------------------------------------------------------------------------
 
@@ -67,7 +117,8 @@ R_LOCAL_RELEASE: Final = "LOCAL_RELEASE"
 R_LOCAL_RELEASE_BUSY: Final = "LOCAL_RELEASE_BUSY"
 R_LOCAL_QUIESCENT: Final = "LOCAL_QUIESCENT"
 
-EFFECT_NONE: Final = "none"
+# An entry that is not sound (named twice, another tp_ratio, a destination range that does
+# not fit, source ids past the layout) is isolated at once and fails the request.
 EFFECT_ACCEPT: Final = "accept"  # the readiness is read for this request (progress)
 EFFECT_ISOLATE: Final = "isolate"  # leave the request out of the read, report it alone
 EFFECT_PROGRESS: Final = "progress"  # a read for it succeeded: restart its load timer
@@ -76,7 +127,6 @@ EFFECT_FAIL: Final = "fail"  # RequestFailed (load errors) + ABORT to its v2 pee
 EFFECT_FAIL_RELEASE: Final = "fail_release"  # fail, then Releasable at once
 EFFECT_FAIL_HOLD: Final = "fail_hold"  # fail; Releasable when the last read ends
 EFFECT_RELEASE: Final = "release"  # Releasable: the blocks may be reused now
-EFFECT_HOLD: Final = "hold"  # a read may still write the blocks: delay the release
 
 #: States in which the request still waits for KV (its load timer runs).
 REQ_ACTIVE: Final = (REQ_ALLOCATED, REQ_ADVERTISED, REQ_RECEIVING)
@@ -105,6 +155,7 @@ DECODE_REQUEST: Final = MachineSpec(
         REQ_RELEASED,
     ),
     initial=REQ_ALLOCATED,
+    guards=GUARDS,
     terminal=frozenset({REQ_RELEASED}),
     transitions=(
         {"trigger": R_LOCAL_ADVERTISE, "source": REQ_ALLOCATED, "dest": REQ_ADVERTISED},
@@ -128,7 +179,11 @@ DECODE_REQUEST: Final = MachineSpec(
             "trigger": R_LOCAL_ALL_DONE,
             "source": REQ_RECEIVING,
             "dest": REQ_DONE,
-            "conditions": ["all_contributors_reported", "no_read_in_flight"],
+            "conditions": [
+                "all_contributors_reported",
+                "no_read_in_flight",
+                "no_parked_readiness_names_it",
+            ],
             "effect": EFFECT_REPORT_DONE,
         },
         {
@@ -181,13 +236,13 @@ DECODE_REQUEST: Final = MachineSpec(
             "conditions": "no_read_in_flight",
             "effect": EFFECT_RELEASE,
         },
-        # done_on_rank has no read in flight by its own guard.
+        # done_on_rank has no read in flight by its own guard. A read may still write the
+        # blocks: release_pending is the hold (Releasable on LOCAL_QUIESCENT).
         {
             "trigger": R_LOCAL_RELEASE_BUSY,
             "source": [REQ_FAILED, REQ_ABORTED],
             "dest": REQ_RELEASE_PENDING,
             "conditions": "read_in_flight",
-            "effect": EFFECT_HOLD,
         },
         {
             "trigger": R_LOCAL_QUIESCENT,
@@ -232,6 +287,7 @@ DECODE_READINESS: Final = MachineSpec(
     """,
     states=(RD_RECEIVED, RD_PARKED, RD_READING, RD_REPLIED),
     initial=RD_RECEIVED,
+    guards=GUARDS,
     terminal=frozenset({RD_REPLIED}),
     transitions=(
         {
@@ -289,7 +345,13 @@ DECODE_READINESS: Final = MachineSpec(
             "trigger": M_LOCAL_READ_RETRY,
             "source": RD_READING,
             "dest": RD_READING,
-            "conditions": ["transient_error", "retries_left", "lease_leaves_half"],
+            "conditions": [
+                "transient_error",
+                "error_not_lease_expired",
+                "retries_left",
+                "lease_leaves_half",
+                "a_request_still_receiving",
+            ],
             "effect": EFFECT_START_READ,
         },
     ),
@@ -311,9 +373,11 @@ S_RECV_ABORT: Final = "RECV_ABORT"
 
 EFFECT_ACK_V1: Final = "ack_v1"
 EFFECT_ACK_V2: Final = "ack_v2"
+EFFECT_REFUSE_V1: Final = "refuse_v1"  # nothing can be said to a v1 peer: count it, no reply
 EFFECT_REFUSE_V2: Final = "refuse_v2"  # Ack carrying error_code and error
-EFFECT_DROP: Final = "drop"  # nothing can be said to a v1 peer: count it, no reply
-EFFECT_SERVE: Final = "serve"
+EFFECT_SERVE: Final = "serve"  # serve the readiness (seq checks, then the layer)
+EFFECT_APPLY_ABORT: Final = "apply_abort"  # fail the named requests (park the unknown)
+EFFECT_DROP: Final = "drop"  # an ABORT from a peer with no usable session: count it
 EFFECT_REPLY_REFUSED: Final = "reply_refused"
 EFFECT_REPLY_UNKNOWN_SESSION: Final = "reply_unknown_session"
 
@@ -331,6 +395,7 @@ DECODE_SESSION: Final = MachineSpec(
     """,
     states=tuple(_ALL_SESSION_STATES),
     initial=SESSION_UNBOUND,
+    guards=GUARDS,
     transitions=(
         {
             "trigger": S_RECV_MF_META_V1,
@@ -348,7 +413,7 @@ DECODE_SESSION: Final = MachineSpec(
             "trigger": S_RECV_MF_META_BAD_V1,
             "source": _ALL_SESSION_STATES,
             "dest": SESSION_REFUSED,
-            "effect": EFFECT_DROP,
+            "effect": EFFECT_REFUSE_V1,
         },
         {
             "trigger": S_RECV_MF_META_BAD_V2,
@@ -359,7 +424,7 @@ DECODE_SESSION: Final = MachineSpec(
         *stay(S_RECV_READINESS, [SESSION_V1, SESSION_V2], EFFECT_SERVE),
         *stay(S_RECV_READINESS, [SESSION_REFUSED], EFFECT_REPLY_REFUSED),
         *stay(S_RECV_READINESS, [SESSION_UNBOUND], EFFECT_REPLY_UNKNOWN_SESSION),
-        *stay(S_RECV_ABORT, [SESSION_V1, SESSION_V2], EFFECT_SERVE),
+        *stay(S_RECV_ABORT, [SESSION_V1, SESSION_V2], EFFECT_APPLY_ABORT),
         *stay(S_RECV_ABORT, [SESSION_UNBOUND, SESSION_REFUSED], EFFECT_DROP),
     ),
 )
@@ -372,3 +437,4 @@ CONSUMER_MACHINES: Final[tuple[MachineSpec, ...]] = (
     CONTRIBUTOR_COMPLETION,
     CROSS_RANK_COMPLETION,
 )
+check_guards(CONSUMER_MACHINES, GUARDS)

@@ -1,5 +1,9 @@
 """The Prefill side of RD2H as a sans-IO endpoint.
 
+Over 600 lines: one endpoint class whose effect handlers (bound to the tables of
+:mod:`rd2h_protocol.producer_machines`) share its private state; split into modules they
+would reach back into one another's records. The checker imports its private names here.
+
 Theory of operation
 -------------------
 One :class:`ProducerEndpoint` serves one Prefill TP rank. The runtime feeds it events
@@ -65,7 +69,7 @@ from typing import Final, Literal, TypeAlias
 
 import msgspec
 
-from rd2h_protocol._machine import NO_EFFECT
+from rd2h_protocol._machine import NO_EFFECT, no_effect
 from rd2h_protocol.codec import decode
 from rd2h_protocol.errors import (
     ConfigError,
@@ -134,15 +138,20 @@ from rd2h_protocol.producer_machines import (
     EFFECT_HOLD,
     EFFECT_IGNORE,
     EFFECT_ORPHAN,
+    EFFECT_QUEUE,
+    EFFECT_RECORD_FAILURE,
+    EFFECT_REFUSED,
     EFFECT_RELEASE,
     EFFECT_RELEASE_HELD,
     EFFECT_REOPEN,
     EFFECT_REQUEUE,
     EFFECT_RESEND,
     EFFECT_RESET,
+    EFFECT_SCHEDULE,
     EFFECT_SEND,
     EFFECT_SEND_ABORT,
     EFFECT_SEND_META,
+    EFFECT_STOP,
     G_LOCAL_ABORT_SENT,
     G_LOCAL_LAST_ABORT_SENT,
     G_LOCAL_LAST_PEER_DEAD,
@@ -159,6 +168,7 @@ from rd2h_protocol.producer_machines import (
     LAYER_PUBLICATION,
     P_LOCAL_ABORT_SENT,
     P_LOCAL_CONNECTION_LOST,
+    P_LOCAL_LEASE_LAPSED,
     P_LOCAL_RELEASE,
     P_LOCAL_REOPEN_UNSAFE,
     P_LOCAL_RESEND,
@@ -174,7 +184,7 @@ from rd2h_protocol.producer_machines import (
     PUB_HELD,
     PUB_ORPHANED,
     PUB_QUEUED,
-    PUB_REQUEUED,
+    PUB_REPLAYED,
     R_LOCAL_ABORT,
     R_LOCAL_CHUNK,
     R_LOCAL_DRAINED,
@@ -525,14 +535,19 @@ class ProducerEndpoint:
         if (main and min(main) < 0) or (indexer and min(indexer) < 0):
             raise LocalProtocolError(f"request {ext_req_id!r}: block ids must be >= 0")
         event = R_LOCAL_FINAL_CHUNK if chunk.final else R_LOCAL_CHUNK
-        effect, req.state = PREFILL_REQUEST.step(req.state, event)
-        if effect == EFFECT_IGNORE:
-            return []
-        if main or indexer:
-            req.chunk = ReadReq(ext_req_id, main, indexer, chunk.main_start, chunk.indexer_start)
-        self._step.setdefault(req.conn.name, {})[ext_req_id] = req
-        self._step_count += 1
+        _REQUEST.fire(self, req, event, chunk, main, indexer)
         return []
+
+    # The request machine's chunk effects: (req, chunk, main, indexer); ``ignore``: the
+    # scheduler does not know we stopped, its chunks for an ending request are moot.
+
+    def _fx_schedule(
+        self, req: _Request, chunk: Chunk, main: list[int], indexer: list[int]
+    ) -> None:
+        if main or indexer:
+            req.chunk = ReadReq(req.ext_id, main, indexer, chunk.main_start, chunk.indexer_start)
+        self._step.setdefault(req.conn.name, {})[req.ext_id] = req
+        self._step_count += 1
 
     def can_overwrite(self, layer_idx: int) -> bool:
         """Whether the storage layer ``layer_idx`` writes is free (all its gates open).
@@ -590,7 +605,7 @@ class ProducerEndpoint:
                     read_reqs.append(chunk)
                 if last and state == REQ_FINAL_SCHEDULED:
                     done.append(req.ext_id)
-                    _, req.state = PREFILL_REQUEST.step(state, R_SEND_DONE)
+                    _REQUEST.fire(self, req, R_SEND_DONE)
                 elif chunk is None:
                     continue
                 named.append(req)
@@ -641,10 +656,7 @@ class ProducerEndpoint:
             req = self._requests.get(ext_id)
             if req is None:
                 continue
-            effect, req.state = PREFILL_REQUEST.step(req.state, R_LOCAL_ABORT)
-            if effect == EFFECT_SEND_ABORT:
-                req.code, req.message = ErrorCode.ABORTED, reason
-                by_conn.setdefault(req.conn.name, []).append(ext_id)
+            _REQUEST.fire(self, req, R_LOCAL_ABORT, reason, by_conn)
             touched.append(req)
         for name, ids in by_conn.items():
             self._send_abort(self._conns[name], ids, reason, out)
@@ -666,7 +678,6 @@ class ProducerEndpoint:
         arrive on ``conn`` are handled as before. Raises :class:`LocalProtocolError` for a
         name this endpoint never opened.
         """
-        del now  # the leases keep their own deadlines
         c = self._conns.get(conn)
         if c is None:
             raise LocalProtocolError(f"connection {conn!r} is not a Decode endpoint of ours")
@@ -674,30 +685,51 @@ class ProducerEndpoint:
         out: list[Output] = []
         message = f"the connection to Decode endpoint {conn} was lost"
         orphans: list[_Pub] = []
-        held: list[_Pub] = []
+        # Held ones (lease ran out AND the peer is dead) end as they are met; what their
+        # gates say goes out after the orphans' ABORT.
+        reopened: list[Output] = []
         for pub in list(c.sent.values()):
-            effect, pub.state = LAYER_PUBLICATION.step(pub.state, P_LOCAL_CONNECTION_LOST)
-            if effect == EFFECT_ORPHAN:
-                orphans.append(pub)
-            elif effect == EFFECT_RELEASE_HELD:
-                held.append(pub)
+            _PUB.fire(
+                self,
+                pub,
+                P_LOCAL_CONNECTION_LOST,
+                now,
+                reopened,
+                G_LOCAL_PEER_DEAD,
+                G_LOCAL_LAST_PEER_DEAD,
+                orphans,
+            )
         if orphans and self._can_abort_now(c):
             ids = [r.ext_id for p in orphans for r in p.requests if not r.aborted_toward_peer]
             if ids:
                 self._emit_abort(c, list(dict.fromkeys(ids)), "Prefill lost the connection", out)
         for pub in orphans:
             self._fail_requests(pub, R_LOCAL_FAILURE, ErrorCode.CONNECTION_LOST, message, {})
-        for pub in held:  # lease ran out AND the peer is dead
-            self._end_pub(pub, out, G_LOCAL_PEER_DEAD, G_LOCAL_LAST_PEER_DEAD)
+        out.extend(reopened)
         for pub in orphans:  # the requests end now, the gates at the lease
             self._drain_pub(pub, out)
-        effect, c.state = CONNECTION_HANDSHAKE.step(c.state, C_LOCAL_CONNECTION_LOST)
-        assert effect == EFFECT_RESET
+        _CONN.fire(self, c, C_LOCAL_CONNECTION_LOST, now, out, None, message)
+        return out
+
+    def _fx_reset(self, c: _Conn, now: float, out: list[Output], _pub: None, message: str) -> None:
+        """Forget the handshake (the peer that comes back is a new process), fail what
+        waited for it."""
         self._end_handshake(c)
         c.refusals, c.retry_at, c.refusal = 0, 0.0, ""
         c.reconnect = c.connected
         self._fail_queued(c, ErrorCode.CONNECTION_LOST, message, out)
-        return out
+
+    def _fx_orphan(
+        self,
+        pub: _Pub,
+        _now: float,
+        _out: list[Output],
+        _one: str,
+        _last: str,
+        orphans: list[_Pub],
+    ) -> None:
+        """Peer dead, lease still running: its requests fail now, its gates wait."""
+        orphans.append(pub)
 
     def connection_resumed(self, conn: str, now: float) -> list[Output]:
         """The connection to Decode endpoint ``conn`` broke and came back, to the same peer.
@@ -793,19 +825,19 @@ class ProducerEndpoint:
             conn = self._handshakes.pop(uid, None)
             if conn is not None:
                 self.stats.handshake_timeouts += 1
-                effect, conn.state = CONNECTION_HANDSHAKE.step(
-                    conn.state, C_TIMER_HANDSHAKE_EXPIRED
-                )
-                assert effect == EFFECT_FAIL_QUEUED
-                self._fail_queued(
-                    conn,
-                    ErrorCode.TIMEOUT,
+                message = (
                     f"handshake with {conn.name} timed out after "
-                    f"{self.config.handshake_timeout_s} s",
-                    out,
+                    f"{self.config.handshake_timeout_s} s"
                 )
-                self._settle_held(conn, now, out)
+                _CONN.fire(self, conn, C_TIMER_HANDSHAKE_EXPIRED, now, out, None, message)
         return out
+
+    def _fx_fail_queued(
+        self, conn: _Conn, now: float, out: list[Output], _pub: None, message: str
+    ) -> None:
+        """The handshake timed out: release the readiness queued for it."""
+        self._fail_queued(conn, ErrorCode.TIMEOUT, message, out)
+        self._settle_held(conn, now, out)
 
     # -- views for invariant checks --------------------------------------------------------
 
@@ -879,16 +911,25 @@ class ProducerEndpoint:
             )
         return conn
 
+    def _fx_send_abort(self, req: _Request, reason: str, by_conn: dict[str, list[str]]) -> None:
+        """Our abort: record it and tell the peer (one ABORT per connection, by the caller)."""
+        req.code, req.message = ErrorCode.ABORTED, reason
+        by_conn.setdefault(req.conn.name, []).append(req.ext_id)
+
     def _fail(self, req: _Request, event: str, code: ErrorCode, message: str) -> None:
-        effect, req.state = PREFILL_REQUEST.step(req.state, event)
-        if effect != NO_EFFECT:  # the first reason to stop is the one reported
-            req.code, req.message = code, message
+        _REQUEST.fire(self, req, event, code, message)
+
+    def _fx_record_failure(self, req: _Request, code: ErrorCode, message: str) -> None:
+        """The first reason to stop is the one reported (later ones stay: no effect)."""
+        req.code, req.message = code, message
 
     def _maybe_drain(self, req: _Request, out: list[Output]) -> None:
         if req.outstanding or req.state not in _DRAINABLE:
             return
-        effect, req.state = PREFILL_REQUEST.step(req.state, R_LOCAL_DRAINED)
-        assert effect == EFFECT_FINISH
+        _REQUEST.fire(self, req, R_LOCAL_DRAINED, out)
+
+    def _fx_finish(self, req: _Request, out: list[Output]) -> None:
+        """Drained: no publication names it any more; RequestFinished frees its blocks."""
         ok = req.state == REQ_COMPLETE
         del self._requests[req.ext_id]
         step = self._step.get(req.conn.name)
@@ -953,27 +994,31 @@ class ProducerEndpoint:
             event = C_RECV_ACK_V1
         else:
             event = C_RECV_ACK_V2
-        effect, conn.state = CONNECTION_HANDSHAKE.step(conn.state, event, RemoteProtocolError)
+        _CONN.fire(self, conn, event, now, out, None, ack, error=RemoteProtocolError)
+
+    def _fx_refused(self, conn: _Conn, now: float, out: list[Output], _pub: None, ack: Ack) -> None:
+        """Refused: back off (doubling per refusal), fail the readiness queued for it."""
         self._end_handshake(conn)
-        if effect == EFFECT_FAIL_QUEUED:
-            self.stats.handshakes_refused += 1
-            conn.caps = frozenset()
-            cfg = self.config
-            conn.refusals += 1
-            backoff = min(
-                cfg.refused_retry_s * 2.0 ** min(conn.refusals - 1, 32), cfg.refused_retry_max_s
-            )
-            conn.retry_at = now + backoff
-            conn.refusal = (
-                f"Decode endpoint {conn.name} refused the handshake "
-                f"(code {ack.error_code}): {ack.error or 'no reason given'}"
-            )
-            self._fail_queued(conn, ErrorCode.INCOMPATIBLE, conn.refusal, out)
-            self._settle_held(conn, now, out)
-            return
-        assert effect == EFFECT_FLUSH
+        self.stats.handshakes_refused += 1
+        conn.caps = frozenset()
+        cfg = self.config
+        conn.refusals += 1
+        backoff = min(
+            cfg.refused_retry_s * 2.0 ** min(conn.refusals - 1, 32), cfg.refused_retry_max_s
+        )
+        conn.retry_at = now + backoff
+        conn.refusal = (
+            f"Decode endpoint {conn.name} refused the handshake "
+            f"(code {ack.error_code}): {ack.error or 'no reason given'}"
+        )
+        self._fail_queued(conn, ErrorCode.INCOMPATIBLE, conn.refusal, out)
+        self._settle_held(conn, now, out)
+
+    def _fx_flush(self, conn: _Conn, now: float, out: list[Output], _pub: None, ack: Ack) -> None:
+        """Ready: send the readiness queued for the handshake, then the ABORTs."""
+        self._end_handshake(conn)
         conn.refusals = 0
-        if event == C_RECV_ACK_V2:
+        if conn.state == CONN_READY_V2:
             conn.caps = frozenset(ack.capabilities or ()) & frozenset(ALL_CAPABILITIES)
         else:
             conn.caps = frozenset()
@@ -981,7 +1026,8 @@ class ProducerEndpoint:
         # would carry lease_ms 0, so the Decode could start reading it on arrival while our
         # lease timer, already due, reopens its storage for the next layer.
         for pub in [p for p in conn.queue if int((p.deadline - now) * 1000) <= 0]:
-            self._expire(pub, now, out)
+            self.stats.expired_leases += 1
+            _PUB.fire(self, pub, P_LOCAL_LEASE_LAPSED, now, out, None, None)
         queue, conn.queue = conn.queue, []
         for pub in queue:
             self._send(pub, now, out)
@@ -1030,27 +1076,44 @@ class ProducerEndpoint:
             self._retry_for_held_aborts(conn, now, out)
             return
         for pub in held:
-            effect, pub.state = LAYER_PUBLICATION.step(pub.state, event)
-            assert effect == EFFECT_RELEASE_HELD
-            self._end_pub(pub, out, one, last)
+            _PUB.fire(self, pub, event, now, out, one, last)
 
     def _retry_for_held_aborts(self, conn: _Conn, now: float, out: list[Output]) -> None:
         """Start a handshake for held ABORTs on an idle connection whose peer can take them."""
         if conn.state == CONN_IDLE and CAP_ABORT in conn.caps:
-            effect, conn.state = CONNECTION_HANDSHAKE.step(conn.state, C_LOCAL_HELD_ABORTS)
-            assert effect == EFFECT_SEND_META
             self.stats.handshake_retries += 1
-            self._start_handshake(conn, now, out)
+            _CONN.fire(self, conn, C_LOCAL_HELD_ABORTS, now, out, None)
 
     def _fail_queued(self, conn: _Conn, code: ErrorCode, message: str, out: list[Output]) -> None:
         """Release the readiness that never left: nothing can read it, the gates reopen."""
         queue, conn.queue = conn.queue, []
         conn.pending_aborts = []
-        for pub in queue:
-            effect, pub.state = LAYER_PUBLICATION.step(pub.state, P_LOCAL_RELEASE)
-            assert effect == EFFECT_RELEASE
-            self._fail_requests(pub, R_LOCAL_FAILURE, code, message, {})
-            self._end_pub(pub, out, G_LOCAL_RELEASE, G_LOCAL_LAST_RELEASE)
+        for pub in queue:  # (release needs no time: 0.0 stands for ``now``)
+            _PUB.fire(
+                self,
+                pub,
+                P_LOCAL_RELEASE,
+                0.0,
+                out,
+                G_LOCAL_RELEASE,
+                G_LOCAL_LAST_RELEASE,
+                code,
+                message,
+            )
+
+    def _fx_release(
+        self,
+        pub: _Pub,
+        _now: float,
+        out: list[Output],
+        one: str,
+        last: str,
+        code: ErrorCode,
+        message: str,
+    ) -> None:
+        """Never left (the handshake failed): nothing can read it, the gates reopen."""
+        self._fail_requests(pub, R_LOCAL_FAILURE, code, message, {})
+        self._end_pub(pub, out, one, last)
 
     def _on_abort(self, conn: _Conn, msg: Abort, out: list[Output]) -> None:
         self.stats.aborts_received += 1
@@ -1058,11 +1121,13 @@ class ProducerEndpoint:
             req = self._requests.get(ext_id)
             if req is None or req.conn is not conn:
                 continue  # finished already, or not this peer's request to abort
-            effect, req.state = PREFILL_REQUEST.step(req.state, R_RECV_ABORT, RemoteProtocolError)
-            if effect != NO_EFFECT:
-                req.code = ErrorCode.ABORTED
-                req.message = f"aborted by Decode {conn.name}: {msg.reason}"
+            _REQUEST.fire(self, req, R_RECV_ABORT, conn, msg, error=RemoteProtocolError)
             self._maybe_drain(req, out)
+
+    def _fx_stop(self, req: _Request, conn: _Conn, msg: Abort) -> None:
+        """The Decode aborted it: stop publishing it (nothing to tell the peer)."""
+        req.code = ErrorCode.ABORTED
+        req.message = f"aborted by Decode {conn.name}: {msg.reason}"
 
     # -- internals: publications -----------------------------------------------------------
 
@@ -1087,7 +1152,7 @@ class ProducerEndpoint:
             req.outstanding += 1
         for s in slots:
             gate = self._gates[s]
-            _, gate.state = STORAGE_GATE.step(gate.state, G_LOCAL_PUBLISH)
+            _GATE.fire(self, gate, G_LOCAL_PUBLISH, s, None)
             gate.outstanding += 1
         heapq.heappush(self._timers, (deadline, uid))
         self.stats.publications += 1
@@ -1099,27 +1164,43 @@ class ProducerEndpoint:
         if conn.state == CONN_REFUSED and now >= conn.retry_at:
             event = C_LOCAL_PUBLISH_RETRY  # the backoff has passed: try a fresh MF_META
             self.stats.handshake_retries += 1
-        effect, conn.state = CONNECTION_HANDSHAKE.step(conn.state, event)
-        if effect == EFFECT_SEND:
-            self._send(pub, now, out)
-        elif effect == EFFECT_RELEASE:
+        _CONN.fire(self, conn, event, now, out, pub)
+
+    # The connection machine's publish effects: (conn, now, out, pub or None).
+
+    def _fx_conn_send(self, conn: _Conn, now: float, out: list[Output], pub: _Pub) -> None:
+        self._send(pub, now, out)
+
+    def _fx_conn_release(self, conn: _Conn, now: float, out: list[Output], pub: _Pub) -> None:
+        """Refused, backoff running: nothing will be read, fail it at once."""
+        conn.queue.append(pub)
+        self._fail_queued(
+            conn,
+            ErrorCode.INCOMPATIBLE,
+            f"{conn.refusal}; next handshake attempt in {conn.retry_at - now:.1f} s",
+            out,
+        )
+
+    def _fx_send_meta(
+        self, conn: _Conn, now: float, out: list[Output], pub: _Pub | None, *_rest: object
+    ) -> None:
+        """Start a handshake; the publication (if any) waits for it in this queue."""
+        self._start_handshake(conn, now, out)
+        if pub is not None:
             conn.queue.append(pub)
-            self._fail_queued(
-                conn,
-                ErrorCode.INCOMPATIBLE,
-                f"{conn.refusal}; next handshake attempt in {conn.retry_at - now:.1f} s",
-                out,
-            )
-        else:
-            if effect == EFFECT_SEND_META:
-                self._start_handshake(conn, now, out)
+
+    def _fx_queue(self, conn: _Conn, now: float, out: list[Output], pub: _Pub | None) -> None:
+        """A handshake runs: the publication (if any) waits for it in this queue."""
+        if pub is not None:
             conn.queue.append(pub)
 
     def _send(self, pub: _Pub, now: float, out: list[Output]) -> None:
         """Put a publication on the wire (first time or replay) with a fresh seq."""
-        if pub.state == PUB_REQUEUED:
+        _PUB.fire(self, pub, P_SEND_READINESS, now, out, None, None)
+
+    def _fx_send(self, pub: _Pub, now: float, out: list[Output], _one: None, _last: None) -> None:
+        if pub.state == PUB_REPLAYED:
             self.stats.replays += 1
-        _, pub.state = LAYER_PUBLICATION.step(pub.state, P_SEND_READINESS)
         conn = pub.conn
         seq = conn.next_seq
         conn.next_seq += 1
@@ -1159,10 +1240,12 @@ class ProducerEndpoint:
         for pub in pubs:
             if pub.state != PUB_HELD and CAP_LEASE in conn.caps and _lease_ms_left(pub, now) == 0:
                 continue  # the peer could start it after the lease timer reopened the storage
-            effect, pub.state = LAYER_PUBLICATION.step(pub.state, P_LOCAL_RESEND)
-            assert effect == EFFECT_RESEND
-            self.stats.resent += 1
-            out.append(Send(conn.name, self._readiness(pub, now)))
+            _PUB.fire(self, pub, P_LOCAL_RESEND, now, out, None, None)
+
+    def _fx_resend(self, pub: _Pub, now: float, out: list[Output], _one: None, _last: None) -> None:
+        """Sent again under the same seq (the peer answers a repeated seq from memory)."""
+        self.stats.resent += 1
+        out.append(Send(pub.conn.name, self._readiness(pub, now)))
 
     def _forget_seq(self, pub: _Pub) -> None:
         """Move a publication's seq from the wire map into the bounded history."""
@@ -1223,52 +1306,92 @@ class ProducerEndpoint:
         if found is None:
             self.stats.unknown_replies += 1
             return
-        if isinstance(found, str):
-            effect, _ = LAYER_PUBLICATION.step(found, event, RemoteProtocolError)
-            if effect == EFFECT_COUNT_DUPLICATE:
-                self.stats.duplicate_replies += 1
-            else:
-                assert effect == EFFECT_COUNT_STALE
-                self.stats.stale_replies += 1
+        if isinstance(found, str):  # ended: the table says duplicate or stale
+            _PUB.react(self, None, found, event, error=RemoteProtocolError)
             return
-        pub = found
-        effect, pub.state = LAYER_PUBLICATION.step(pub.state, event, RemoteProtocolError)
         self.stats.replies += 1
-        if effect == EFFECT_RELEASE_HELD:
-            # Held or orphaned: its requests ended already; the reply frees its storage.
-            self._end_pub(pub, out, G_RECV_REPLY, G_RECV_LAST_REPLY)
-            return
-        if effect == EFFECT_REQUEUE:
-            self._forget_seq(pub)
-            c_effect, conn.state = CONNECTION_HANDSHAKE.step(conn.state, C_RECV_UNKNOWN_SESSION)
-            if c_effect == EFFECT_SEND_META:
-                self._start_handshake(conn, now, out)
-            conn.queue.append(pub)
-            return
-        out.append(LayerReplied(conn.name, pub.layer_idx, now - pub.sent_at, effect == EFFECT_DONE))
-        if effect == EFFECT_DONE:
-            isolated = {f.ext_req_id: f for f in failed} if failed else {}
-            if isolated:
-                self.stats.isolated_failures += len(isolated)
-            self._fail_requests(pub, R_RECV_FAILURE, ErrorCode.UNKNOWN, "", isolated)
-        else:
-            assert effect == EFFECT_FAIL and read_failed is not None
-            self.stats.read_failures += 1
-            code = _error_code(read_failed.code, ErrorCode.TRANSFER_FAILED)
-            message = read_failed.error or f"read failed ({code.name})"
-            self._fail_requests(
-                pub,
-                R_RECV_FAILURE,
-                code,
-                f"layer {pub.layer_idx} read by {conn.name} failed: {message}",
-                {},
-            )
-            if event == P_RECV_UNKNOWN_SESSION:
-                # The replay met an unknown session too: hand-shake again for later layers.
-                c_effect, conn.state = CONNECTION_HANDSHAKE.step(conn.state, C_RECV_UNKNOWN_SESSION)
-                if c_effect == EFFECT_SEND_META:
-                    self._start_handshake(conn, now, out)
-        self._end_pub(pub, out, G_RECV_REPLY, G_RECV_LAST_REPLY)
+        _PUB.fire(
+            self,
+            found,
+            event,
+            now,
+            out,
+            G_RECV_REPLY,
+            G_RECV_LAST_REPLY,
+            event,
+            failed,
+            read_failed,
+            error=RemoteProtocolError,
+        )
+
+    def _fx_count_duplicate(self, _pub: None) -> None:
+        """A reply for a publication answered already (or superseded by a replay)."""
+        self.stats.duplicate_replies += 1
+
+    def _fx_count_stale(self, _pub: None) -> None:
+        """A reply for a publication that ended without one."""
+        self.stats.stale_replies += 1
+
+    # The publication machine's other effects: (pub, now, out, one, last, *input context),
+    # ``one`` / ``last`` the gate inputs by which ending it now counts it off its gates.
+
+    def _fx_release_held(
+        self, pub: _Pub, _now: float, out: list[Output], one: str, last: str, *_rest: object
+    ) -> None:
+        """Held or orphaned: its requests ended already; now its storage is free too."""
+        self._end_pub(pub, out, one, last)
+
+    def _fx_requeue(self, pub: _Pub, now: float, out: list[Output], *_rest: object) -> None:
+        """The Decode lost our handshake, read nothing: replay after a new handshake."""
+        self._forget_seq(pub)
+        _CONN.fire(self, pub.conn, C_RECV_UNKNOWN_SESSION, now, out, pub)
+
+    def _fx_done(
+        self,
+        pub: _Pub,
+        now: float,
+        out: list[Output],
+        one: str,
+        last: str,
+        _event: str,
+        failed: list[FailedRequest] | None,
+        _read_failed: None,
+    ) -> None:
+        conn = pub.conn
+        out.append(LayerReplied(conn.name, pub.layer_idx, now - pub.sent_at, True))
+        isolated = {f.ext_req_id: f for f in failed} if failed else {}
+        if isolated:
+            self.stats.isolated_failures += len(isolated)
+        self._fail_requests(pub, R_RECV_FAILURE, ErrorCode.UNKNOWN, "", isolated)
+        self._end_pub(pub, out, one, last)
+
+    def _fx_fail(
+        self,
+        pub: _Pub,
+        now: float,
+        out: list[Output],
+        one: str,
+        last: str,
+        event: str,
+        _failed: None,
+        read_failed: ReadFailed,
+    ) -> None:
+        conn = pub.conn
+        out.append(LayerReplied(conn.name, pub.layer_idx, now - pub.sent_at, False))
+        self.stats.read_failures += 1
+        code = _error_code(read_failed.code, ErrorCode.TRANSFER_FAILED)
+        message = read_failed.error or f"read failed ({code.name})"
+        self._fail_requests(
+            pub,
+            R_RECV_FAILURE,
+            code,
+            f"layer {pub.layer_idx} read by {conn.name} failed: {message}",
+            {},
+        )
+        if event == P_RECV_UNKNOWN_SESSION:
+            # The replay met an unknown session too: hand-shake again for later layers.
+            _CONN.fire(self, conn, C_RECV_UNKNOWN_SESSION, now, out, None)
+        self._end_pub(pub, out, one, last)
 
     def _fail_requests(
         self,
@@ -1312,10 +1435,11 @@ class ProducerEndpoint:
             gate = self._gates[s]
             gate.outstanding -= 1
             event = one if gate.outstanding else last
-            effect, gate.state = STORAGE_GATE.step(gate.state, event)
-            if effect == EFFECT_REOPEN:
-                out.append(GateOpened(s))
+            _GATE.fire(self, gate, event, s, out)
         self._drain_pub(pub, out)
+
+    def _fx_reopen(self, _gate: _Gate, slot: int, out: list[Output]) -> None:
+        out.append(GateOpened(slot))
 
     def _drain_pub(self, pub: _Pub, out: list[Output]) -> None:
         requests, pub.requests = pub.requests, ()
@@ -1334,10 +1458,17 @@ class ProducerEndpoint:
             return
         if pub.state == PUB_ORPHANED:
             # The peer was declared dead before; now its lease has run out as well.
-            effect, pub.state = LAYER_PUBLICATION.step(pub.state, P_TIMER_LEASE_EXPIRED)
-            assert effect == EFFECT_RELEASE_HELD
             self._mark_expired(pub)
-            self._end_pub(pub, out, G_LOCAL_PEER_DEAD, G_LOCAL_LAST_PEER_DEAD)
+            _PUB.fire(
+                self,
+                pub,
+                P_TIMER_LEASE_EXPIRED,
+                now,
+                out,
+                G_LOCAL_PEER_DEAD,
+                G_LOCAL_LAST_PEER_DEAD,
+                (),
+            )
             return
         self.stats.expired_leases += 1
         ids = [r.ext_id for r in pub.requests if not r.aborted_toward_peer]
@@ -1351,43 +1482,65 @@ class ProducerEndpoint:
             event = P_TIMER_LEASE_EXPIRED_UNTOLD
         else:
             event = P_TIMER_LEASE_EXPIRED_UNSAFE
-        effect, pub.state = LAYER_PUBLICATION.step(pub.state, event)
-        message = (
-            f"layer {pub.layer_idx}: no reply from {conn.name} within {self.config.lease_ms} ms"
+        _PUB.fire(self, pub, event, now, out, None, None, ids)
+
+    def _lease_message(self, pub: _Pub) -> str:
+        return (
+            f"layer {pub.layer_idx}: no reply from {pub.conn.name} within {self.config.lease_ms} ms"
         )
-        if effect == EFFECT_EXPIRE_UNSENT:
-            # Never sent (or refused unread): nothing can be reading it.
-            conn.queue.remove(pub)
-            self._fail_requests(pub, R_LOCAL_FAILURE, ErrorCode.LEASE_EXPIRED, message, {})
-            self._end_pub(pub, out, G_LOCAL_RELEASE, G_LOCAL_LAST_RELEASE)
-            return
-        if effect == EFFECT_EXPIRE_ABORT and ids:
-            self._emit_abort(conn, ids, f"lease of layer {pub.layer_idx} expired", out)
+
+    # The lease effects: (pub, now, out, None, None, ids of its requests not told yet).
+
+    def _fx_expire_unsent(self, pub: _Pub, _now: float, out: list[Output], *_rest: object) -> None:
+        """Never sent (or refused unread): nothing can be reading it."""
+        pub.conn.queue.remove(pub)
+        message = self._lease_message(pub)
+        self._fail_requests(pub, R_LOCAL_FAILURE, ErrorCode.LEASE_EXPIRED, message, {})
+        self._end_pub(pub, out, G_LOCAL_RELEASE, G_LOCAL_LAST_RELEASE)
+
+    def _fx_expire_abort(
+        self, pub: _Pub, _now: float, out: list[Output], _one: None, _last: None, ids: list[str]
+    ) -> None:
+        """ABORT, THEN the reopened gates, then the finished requests."""
+        if ids:
+            self._emit_abort(pub.conn, ids, f"lease of layer {pub.layer_idx} expired", out)
+        message = self._lease_message(pub)
         self._fail_requests(pub, R_LOCAL_FAILURE, ErrorCode.LEASE_EXPIRED, message, {})
         self._mark_expired(pub)
-        if effect == EFFECT_EXPIRE_ABORT:
-            self._end_pub(pub, out, G_LOCAL_ABORT_SENT, G_LOCAL_LAST_ABORT_SENT)
-        elif effect == EFFECT_EXPIRE_UNTOLD:
-            self.stats.unsafe_reopens += 1
-            self._end_pub(pub, out, G_LOCAL_REOPEN_UNSAFE, G_LOCAL_LAST_REOPEN_UNSAFE)
+        self._end_pub(pub, out, G_LOCAL_ABORT_SENT, G_LOCAL_LAST_ABORT_SENT)
+
+    def _fx_expire_untold(self, pub: _Pub, _now: float, out: list[Output], *_rest: object) -> None:
+        """UNSAFE (v1_lease_expiry="reopen"): reopen without telling the peer."""
+        message = self._lease_message(pub)
+        self._fail_requests(pub, R_LOCAL_FAILURE, ErrorCode.LEASE_EXPIRED, message, {})
+        self._mark_expired(pub)
+        self.stats.unsafe_reopens += 1
+        self._end_pub(pub, out, G_LOCAL_REOPEN_UNSAFE, G_LOCAL_LAST_REOPEN_UNSAFE)
+
+    def _fx_hold(
+        self, pub: _Pub, now: float, out: list[Output], _one: None, _last: None, ids: list[str]
+    ) -> None:
+        """No ABORT can go out now: the requests fail, the gates stay closed."""
+        conn = pub.conn
+        message = self._lease_message(pub)
+        self._fail_requests(pub, R_LOCAL_FAILURE, ErrorCode.LEASE_EXPIRED, message, {})
+        self._mark_expired(pub)
+        self.stats.held_leases += 1
+        if self.config.silent_peer_timeout_s is not None:
+            pub.held_at = now
+            heapq.heappush(self._timers, (now + self.config.silent_peer_timeout_s, pub.uid))
+        self._drain_pub(pub, out)  # its requests end now; the gates wait
+        if self._can_abort_now(conn) or (CAP_ABORT in conn.caps and not ids):
+            # A peer without leases: told to stop, its storage waits for the reply.
+            if ids:
+                self._emit_abort(conn, ids, f"lease of layer {pub.layer_idx} expired", out)
         else:
-            assert effect == EFFECT_HOLD
-            self.stats.held_leases += 1
-            if self.config.silent_peer_timeout_s is not None:
-                pub.held_at = now
-                heapq.heappush(self._timers, (now + self.config.silent_peer_timeout_s, pub.uid))
-            self._drain_pub(pub, out)  # its requests end now; the gates wait
-            if self._can_abort_now(conn) or (CAP_ABORT in conn.caps and not ids):
-                # A peer without leases: told to stop, its storage waits for the reply.
-                if ids:
-                    self._emit_abort(conn, ids, f"lease of layer {pub.layer_idx} expired", out)
-            else:
-                pub.abort_ids = ids
-                self._retry_for_held_aborts(conn, now, out)
-            # Ask for that reply, which alone frees the storage: the readiness may never
-            # have arrived (a peer with ``resend`` serves an unseen seq, now empty, and
-            # answers one it saw, or one lost in a gap, from memory).
-            self._resend(conn, [pub], now, out)
+            pub.abort_ids = ids
+            self._retry_for_held_aborts(conn, now, out)
+        # Ask for that reply, which alone frees the storage: the readiness may never
+        # have arrived (a peer with ``resend`` serves an unseen seq, now empty, and
+        # answers one it saw, or one lost in a gap, from memory).
+        self._resend(conn, [pub], now, out)
 
     def _check_silence(self, pub: _Pub, now: float, out: list[Output]) -> None:
         """A held publication's silence bound came: declare its peer dead if nothing at all
@@ -1408,7 +1561,7 @@ class ProducerEndpoint:
         """Tell the publication's gates that its lease ran out (they stay closed)."""
         for s in pub.slots:
             gate = self._gates[s]
-            _, gate.state = STORAGE_GATE.step(gate.state, G_TIMER_LEASE_EXPIRED)
+            _GATE.fire(self, gate, G_TIMER_LEASE_EXPIRED, s, None)
 
 
 def _lease_ms_left(pub: _Pub, now: float) -> int:
@@ -1424,3 +1577,50 @@ def _error_code(value: int | None, default: ErrorCode) -> ErrorCode:
         return ErrorCode(value)
     except ValueError:
         return default
+
+
+# -- the tables drive the action: each declared effect bound to its handler ----------------
+
+_GATE: Final = STORAGE_GATE.bind({NO_EFFECT: no_effect, EFFECT_REOPEN: ProducerEndpoint._fx_reopen})
+_REQUEST: Final = PREFILL_REQUEST.bind(
+    {
+        NO_EFFECT: no_effect,
+        EFFECT_SCHEDULE: ProducerEndpoint._fx_schedule,
+        EFFECT_IGNORE: no_effect,
+        EFFECT_RECORD_FAILURE: ProducerEndpoint._fx_record_failure,
+        EFFECT_SEND_ABORT: ProducerEndpoint._fx_send_abort,
+        EFFECT_STOP: ProducerEndpoint._fx_stop,
+        EFFECT_FINISH: ProducerEndpoint._fx_finish,
+    }
+)
+_PUB: Final = LAYER_PUBLICATION.bind(
+    {
+        NO_EFFECT: no_effect,
+        EFFECT_SEND: ProducerEndpoint._fx_send,
+        EFFECT_RESEND: ProducerEndpoint._fx_resend,
+        EFFECT_DONE: ProducerEndpoint._fx_done,
+        EFFECT_FAIL: ProducerEndpoint._fx_fail,
+        EFFECT_REQUEUE: ProducerEndpoint._fx_requeue,
+        EFFECT_RELEASE: ProducerEndpoint._fx_release,
+        EFFECT_EXPIRE_ABORT: ProducerEndpoint._fx_expire_abort,
+        EFFECT_EXPIRE_UNSENT: ProducerEndpoint._fx_expire_unsent,
+        EFFECT_EXPIRE_UNTOLD: ProducerEndpoint._fx_expire_untold,
+        EFFECT_HOLD: ProducerEndpoint._fx_hold,
+        EFFECT_ORPHAN: ProducerEndpoint._fx_orphan,
+        EFFECT_RELEASE_HELD: ProducerEndpoint._fx_release_held,
+        EFFECT_COUNT_DUPLICATE: ProducerEndpoint._fx_count_duplicate,
+        EFFECT_COUNT_STALE: ProducerEndpoint._fx_count_stale,
+    }
+)
+_CONN: Final = CONNECTION_HANDSHAKE.bind(
+    {
+        EFFECT_SEND_META: ProducerEndpoint._fx_send_meta,
+        EFFECT_QUEUE: ProducerEndpoint._fx_queue,
+        EFFECT_SEND: ProducerEndpoint._fx_conn_send,
+        EFFECT_RELEASE: ProducerEndpoint._fx_conn_release,
+        EFFECT_FLUSH: ProducerEndpoint._fx_flush,
+        EFFECT_REFUSED: ProducerEndpoint._fx_refused,
+        EFFECT_FAIL_QUEUED: ProducerEndpoint._fx_fail_queued,
+        EFFECT_RESET: ProducerEndpoint._fx_reset,
+    }
+)

@@ -1,12 +1,15 @@
 """The Prefill side's state machines, declared once as data.
 
+Over 600 lines: four declarations and their guards, data read as one reference.
+
 Theory of operation
 -------------------
 A Prefill TP rank exposes its KV cache and tells each Decode endpoint, layer by layer,
 which blocks are ready (a *publication*: one READ_READY_BATCH for one layer, one step and
 one connection). Four kinds of machine track that, and every rule that changes their
 state lives in the tables below; :mod:`rd2h_protocol.producer` only resolves guards
-(counts, versions) and performs the named effects.
+(counts, versions; :data:`GUARDS` says which method resolves each) and binds each named
+effect to the handler that performs it (the table drives the action).
 
 * **storage-slot gate** (one per physical storage, main and indexer apart): it closes
   when a layer that lives in the storage is published and opens again only when every
@@ -55,7 +58,101 @@ from __future__ import annotations
 
 from typing import Final
 
-from rd2h_protocol._machine import MachineSpec, stay
+from rd2h_protocol._machine import Guard, MachineSpec, check_guards, stay
+
+#: Every guard the Prefill tables name: what it says and the method that resolves it.
+GUARDS: Final[dict[str, Guard]] = {
+    # storage-slot gate
+    "others_outstanding": Guard(
+        "other publications against the storage are still outstanding",
+        "ProducerEndpoint._end_pub (the gate's count)",
+    ),
+    "last_outstanding": Guard(
+        "it was the last publication outstanding against the storage",
+        "ProducerEndpoint._end_pub (the gate's count)",
+    ),
+    "v1_lease_expiry_reopen": Guard(
+        'v1_lease_expiry="reopen" (unsafe: v1\'s liveness over safety)',
+        "ProducerEndpoint._expire, ._settle_held",
+    ),
+    # layer publication
+    "connection_ready": Guard(
+        "its connection's handshake is done (ready_v1 or ready_v2)",
+        "the connection table (send, flush): ProducerEndpoint._fx_conn_send, ._fx_flush",
+    ),
+    "lease_ms_left": Guard(
+        "at least 1 ms of its lease is left (a fresh publication has all of it)",
+        "ProducerEndpoint._fx_flush",
+    ),
+    "no_lease_ms_left": Guard(
+        "less than 1 ms of its lease is left when the handshake ends",
+        "ProducerEndpoint._fx_flush",
+    ),
+    "peer_has_lease": Guard(
+        "the peer has the lease capability: its reads are bounded by the lease",
+        "ProducerEndpoint._expire",
+    ),
+    "abort_goes_out_now_or_all_told": Guard(
+        "every request was told already, or the ABORT goes out now (ready_v2 with abort)",
+        "ProducerEndpoint._expire (._abort_frees_storage)",
+    ),
+    "abort_cannot_go_out_now": Guard(
+        "not the two above: no ABORT that frees the storage can go out now",
+        "ProducerEndpoint._expire",
+    ),
+    "peer_takes_abort_or_v1_hold": Guard(
+        'the peer has the abort capability, or v1_lease_expiry="hold"',
+        "ProducerEndpoint._expire",
+    ),
+    "peer_cannot_be_told": Guard(
+        "the peer has no abort capability (v1)", "ProducerEndpoint._expire"
+    ),
+    "handshake_done_with_abort": Guard(
+        "a handshake ended and the ABORT the held publication waits for went out",
+        "ProducerEndpoint._settle_held",
+    ),
+    "handshake_done_without_abort": Guard(
+        "a handshake ended and no ABORT can go out to the peer",
+        "ProducerEndpoint._settle_held",
+    ),
+    "lease_expired": Guard(
+        "its lease ran out already (it is held)", "ProducerEndpoint.connection_lost"
+    ),
+    "lease_left": Guard(
+        "some of its lease is left (a live one past it is not resent)",
+        "ProducerEndpoint._resend",
+    ),
+    "peer_resend": Guard(
+        "the peer has the resend capability and the connection is ready_v2",
+        "ProducerEndpoint._resend",
+    ),
+    "peer_dead": Guard(
+        "the runtime declared the peer dead while the lease ran (orphaned)",
+        "ProducerEndpoint._expire",
+    ),
+    # Prefill request
+    "last_layer": Guard(
+        "the layer published is the last cache-bearing layer of the step",
+        "ProducerEndpoint.layer_written",
+    ),
+    "none_outstanding": Guard(
+        "no publication that named the request is outstanding",
+        "ProducerEndpoint._maybe_drain",
+    ),
+    # connection handshake
+    "backoff_elapsed": Guard(
+        "the refusal's backoff has passed (now >= retry_at)", "ProducerEndpoint._conn_publish"
+    ),
+    "held_aborts_waiting": Guard(
+        "held publications wait for an ABORT and the idle connection's peer takes ABORT",
+        "ProducerEndpoint._retry_for_held_aborts",
+    ),
+    "peer_reconnects": Guard(
+        "the peer has the reconnect capability: UNKNOWN_SESSION means it lost our handshake",
+        "ProducerEndpoint._on_read_failed",
+    ),
+}
+
 
 # -- storage-slot gate ---------------------------------------------------------------------
 
@@ -76,8 +173,8 @@ G_LOCAL_LAST_PEER_DEAD: Final = "LOCAL_LAST_PEER_DEAD"
 G_LOCAL_REOPEN_UNSAFE: Final = "LOCAL_REOPEN_UNSAFE"
 G_LOCAL_LAST_REOPEN_UNSAFE: Final = "LOCAL_LAST_REOPEN_UNSAFE"
 
-# Effects the endpoint performs (besides the state change itself).
-EFFECT_CLOSE: Final = "close"
+# Effects the endpoint performs (besides the state change itself). Closing needs none: the
+# count of publications against the gate goes up with every publication, closed or not.
 EFFECT_REOPEN: Final = "reopen"
 
 STORAGE_GATE: Final = MachineSpec(
@@ -89,12 +186,12 @@ STORAGE_GATE: Final = MachineSpec(
     """,
     states=(GATE_OPEN, GATE_CLOSED, GATE_EXPIRED),
     initial=GATE_OPEN,
+    guards=GUARDS,
     transitions=(
         {
             "trigger": G_LOCAL_PUBLISH,
             "source": GATE_OPEN,
             "dest": GATE_CLOSED,
-            "effect": EFFECT_CLOSE,
         },
         # Several Decode endpoints are told about the same layer: one publication each.
         {"trigger": G_LOCAL_PUBLISH, "source": GATE_CLOSED, "dest": GATE_CLOSED},
@@ -182,6 +279,7 @@ P_LOCAL_ABORT_SENT: Final = "LOCAL_ABORT_SENT"
 P_LOCAL_REOPEN_UNSAFE: Final = "LOCAL_REOPEN_UNSAFE"
 P_LOCAL_CONNECTION_LOST: Final = "LOCAL_CONNECTION_LOST"
 P_LOCAL_RESEND: Final = "LOCAL_RESEND"
+P_LOCAL_LEASE_LAPSED: Final = "LOCAL_LEASE_LAPSED"
 
 EFFECT_SEND: Final = "send"
 EFFECT_RESEND: Final = "resend"
@@ -226,20 +324,21 @@ LAYER_PUBLICATION: Final = MachineSpec(
         PUB_RELEASED,
     ),
     initial=PUB_QUEUED,
+    guards=GUARDS,
     terminal=frozenset({PUB_REPLIED, PUB_FAILED, PUB_EXPIRED, PUB_RELEASED}),
     transitions=(
         {
             "trigger": P_SEND_READINESS,
             "source": PUB_QUEUED,
             "dest": PUB_PUBLISHED,
-            "conditions": "connection_ready",
+            "conditions": ["connection_ready", "lease_ms_left"],
             "effect": EFFECT_SEND,
         },
         {
             "trigger": P_SEND_READINESS,
             "source": PUB_REQUEUED,
             "dest": PUB_REPLAYED,
-            "conditions": "connection_ready",
+            "conditions": ["connection_ready", "lease_ms_left"],
             "effect": EFFECT_SEND,
         },
         {"trigger": P_RECV_DONE, "source": _PUB_SENT, "dest": PUB_REPLIED, "effect": EFFECT_DONE},
@@ -272,7 +371,7 @@ LAYER_PUBLICATION: Final = MachineSpec(
             "trigger": P_TIMER_LEASE_EXPIRED,
             "source": _PUB_SENT,
             "dest": PUB_EXPIRED,
-            "conditions": "abort_goes_out_now",
+            "conditions": ["peer_has_lease", "abort_goes_out_now_or_all_told"],
             "effect": EFFECT_EXPIRE_ABORT,
         },
         # No ABORT can go out now: a peer that cannot be told (v1), or one whose ABORT waits
@@ -281,7 +380,7 @@ LAYER_PUBLICATION: Final = MachineSpec(
             "trigger": P_TIMER_LEASE_EXPIRED_UNTOLD,
             "source": _PUB_SENT,
             "dest": PUB_HELD,
-            "conditions": "abort_cannot_go_out_now",
+            "conditions": ["abort_cannot_go_out_now", "peer_takes_abort_or_v1_hold"],
             "effect": EFFECT_HOLD,
         },
         # UNSAFE (v1_lease_expiry="reopen"): v1's behaviour, reopen without telling the peer.
@@ -364,6 +463,16 @@ LAYER_PUBLICATION: Final = MachineSpec(
             "dest": PUB_EXPIRED,
             "effect": EFFECT_EXPIRE_UNSENT,
         },
+        # The handshake it waited for ended after its lease (its timer not handled yet): it
+        # is expired, not sent, since it would carry lease_ms 0 and the Decode could start
+        # reading it while our lease timer, already due, reopens its storage.
+        {
+            "trigger": P_LOCAL_LEASE_LAPSED,
+            "source": _PUB_WAITING,
+            "dest": PUB_EXPIRED,
+            "conditions": ["connection_ready", "no_lease_ms_left"],
+            "effect": EFFECT_EXPIRE_UNSENT,
+        },
         # A reply for a seq superseded by a replay: the Decode answered it already.
         *(
             decl
@@ -432,6 +541,7 @@ PREFILL_REQUEST: Final = MachineSpec(
         REQ_ABORTED,
     ),
     initial=REQ_REGISTERED,
+    guards=GUARDS,
     terminal=frozenset({REQ_COMPLETE, REQ_FAILED, REQ_ABORTED}),
     transitions=(
         {
@@ -530,6 +640,7 @@ EFFECT_SEND_META: Final = "send_meta"
 EFFECT_QUEUE: Final = "queue"
 EFFECT_FLUSH: Final = "flush"
 EFFECT_FAIL_QUEUED: Final = "fail_queued"
+EFFECT_REFUSED: Final = "refused"  # record the refusal and its backoff, then fail_queued
 EFFECT_RESET: Final = "reset"
 
 #: Connection states in which readiness goes out at once.
@@ -547,6 +658,7 @@ CONNECTION_HANDSHAKE: Final = MachineSpec(
     """,
     states=(CONN_IDLE, CONN_HANDSHAKING, CONN_READY_V1, CONN_READY_V2, CONN_REFUSED),
     initial=CONN_IDLE,
+    guards=GUARDS,
     transitions=(
         {
             "trigger": C_LOCAL_PUBLISH,
@@ -584,7 +696,7 @@ CONNECTION_HANDSHAKE: Final = MachineSpec(
             "trigger": C_RECV_ACK_REFUSED,
             "source": CONN_HANDSHAKING,
             "dest": CONN_REFUSED,
-            "effect": EFFECT_FAIL_QUEUED,
+            "effect": EFFECT_REFUSED,
         },
         {
             "trigger": C_TIMER_HANDSHAKE_EXPIRED,
@@ -641,3 +753,4 @@ PRODUCER_MACHINES: Final[tuple[MachineSpec, ...]] = (
     PREFILL_REQUEST,
     CONNECTION_HANDSHAKE,
 )
+check_guards(PRODUCER_MACHINES, GUARDS)

@@ -7,7 +7,8 @@ message definitions and machine declarations).
 What is generated:
 
 * ``wire.md``: one table per message (position, name, type, default, version that added it);
-* ``machines.md``: a mermaid ``stateDiagram-v2`` and the transition table per machine;
+* ``machines.md``: a mermaid ``stateDiagram-v2``, the transition table and the guards per
+  machine;
 * ``machines.json``: the same declarations, machine-readable;
 * ``invariants.md``: the properties the model checker proves;
 * ``api.md``: the public API of ``rd2h_protocol`` with its docstrings.
@@ -172,8 +173,11 @@ def render_machines(machines: Sequence[MachineSpec]) -> str:
         HEADER,
         "# State machines\n\n",
         "Each machine is declared once as data (`rd2h_protocol._machine.MachineSpec`); the "
-        "endpoints run the derived `(state, input) -> (effect, next_state)` table, and any "
-        "pair not listed below is refused as a protocol error.\n\n",
+        "endpoints run the derived `(state, input) -> (effect, next_state)` table, each "
+        "effect bound to exactly one handler (`MachineSpec.bind`: the table drives the "
+        "action), and any pair not listed below is refused as a protocol error. Guards are "
+        "resolved by the endpoint before the lookup (the input chosen says which held); "
+        "each machine lists its guards and the method that resolves each.\n\n",
     ]
     for machine in machines:
         out.append(f"## {machine.name}\n\n{inspect.cleandoc(machine.doc)}\n\n")
@@ -182,6 +186,10 @@ def render_machines(machines: Sequence[MachineSpec]) -> str:
         for (state, event), (effect, dest) in machine.table.items():
             shown = "" if effect == NO_EFFECT else f"`{effect}`"
             out.append(f"| {state} | `{event}` | {shown} | {dest} |\n")
+        if machine.guards:
+            out.append("\n| guard | holds when | resolved by |\n|---|---|---|\n")
+            for name, guard in machine.guards.items():
+                out.append(f"| `{name}` | {guard.says} | `{guard.resolved_by}` |\n")
         out.append("\n")
     return "".join(out)
 
@@ -194,6 +202,7 @@ def render_machines_json(machines: Sequence[MachineSpec]) -> str:
             "initial": m.initial,
             "terminal": sorted(m.terminal),
             "transitions": [dict(d) for d in m.transitions],
+            "guards": {n: dataclasses.asdict(g) for n, g in m.guards.items()},
         }
         for m in machines
     ]

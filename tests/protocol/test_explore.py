@@ -215,9 +215,10 @@ def plant_early_gate(monkeypatch: pytest.MonkeyPatch) -> None:
             decls.append(decl)
     decls.append({"trigger": G_RECV_REPLY, "source": GATE_OPEN, "dest": GATE_OPEN})
     decls.append({"trigger": G_RECV_LAST_REPLY, "source": GATE_OPEN, "dest": GATE_OPEN})
-    monkeypatch.setattr(
-        producer_module, "STORAGE_GATE", replace(STORAGE_GATE, transitions=tuple(decls))
-    )
+    planted = replace(STORAGE_GATE, transitions=tuple(decls))
+    monkeypatch.setattr(producer_module, "STORAGE_GATE", planted)
+    # The endpoint fires the table bound to its handlers at import: bind the planted one.
+    monkeypatch.setattr(producer_module, "_GATE", planted.bind(producer_module._GATE.handlers))
 
 
 def plant_first_contributor_completes(monkeypatch: pytest.MonkeyPatch) -> None:

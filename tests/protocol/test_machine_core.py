@@ -5,7 +5,15 @@ from __future__ import annotations
 import pytest
 from transitions import MachineError
 
-from rd2h_protocol._machine import NO_EFFECT, MachineSpec, stay
+from rd2h_protocol._machine import (
+    NO_EFFECT,
+    BoundMachine,
+    Guard,
+    MachineSpec,
+    check_guards,
+    no_effect,
+    stay,
+)
 from rd2h_protocol.errors import LocalProtocolError, MissingExtra, RemoteProtocolError
 from rd2h_protocol.plan import ComponentAddrs, ReadPlan, RequestRead
 
@@ -103,6 +111,84 @@ def test_inconsistent_declarations_are_refused(change: dict[str, object], match:
     }
     with pytest.raises(ValueError, match=match):
         MachineSpec(**{**base, **change})  # type: ignore[arg-type]
+
+
+class _Rec:
+    def __init__(self, state: str) -> None:
+        self.state = state
+
+
+class _Owner:
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, str, tuple[object, ...]]] = []
+
+    def count(self, rec: _Rec | None, *args: object) -> str:
+        self.seen.append(("count", "" if rec is None else rec.state, args))
+        return "counted"
+
+    def ignore(self, rec: _Rec | None, *args: object) -> None:
+        self.seen.append(("ignore", "" if rec is None else rec.state, args))
+
+
+def bound_gate() -> tuple[_Owner, BoundMachine]:
+    return _Owner(), gate().bind(
+        {"count": _Owner.count, "ignore": _Owner.ignore, NO_EFFECT: no_effect}
+    )
+
+
+def test_bind_refuses_a_missing_or_an_extra_handler() -> None:
+    spec = gate()
+    with pytest.raises(ValueError, match=r"without a handler \['none'\]"):
+        spec.bind({"count": _Owner.count, "ignore": _Owner.ignore})
+    with pytest.raises(ValueError, match=r"for no declared effect \['close'\]"):
+        spec.bind(
+            {"count": _Owner.count, "ignore": _Owner.ignore, NO_EFFECT: no_effect,
+             "close": no_effect}
+        )  # fmt: skip
+
+
+def test_fire_sets_the_state_then_runs_the_handler_with_the_arguments() -> None:
+    owner, bound = bound_gate()
+    rec = _Rec("open")
+    assert bound.fire(owner, rec, "LOCAL_PUBLISH", 7) == "counted"
+    assert rec.state == "closed"
+    assert owner.seen == [("count", "closed", (7,))]  # the handler sees the new state
+    assert bound.fire(owner, rec, "RECV_LAST_REPLY") is None
+    assert rec.state == "open"
+
+
+def test_fire_refuses_a_forbidden_pair_and_changes_nothing() -> None:
+    owner, bound = bound_gate()
+    rec = _Rec("open")
+    with pytest.raises(RemoteProtocolError, match="RECV_LAST_REPLY is not allowed in state open"):
+        bound.fire(owner, rec, "RECV_LAST_REPLY", error=RemoteProtocolError)
+    assert rec.state == "open" and owner.seen == []
+
+
+def test_react_runs_a_stay_without_a_record_and_refuses_a_move() -> None:
+    owner, bound = bound_gate()
+    bound.react(owner, None, "closed", "RECV_STALE", 1)
+    assert owner.seen == [("ignore", "", (1,))]
+    with pytest.raises(ValueError, match="use fire"):
+        bound.react(owner, None, "open", "LOCAL_PUBLISH")
+
+
+def test_guards_are_declared_for_every_condition_and_only_those() -> None:
+    is_last = Guard("the last one", "Owner.check")
+    spec = MachineSpec(
+        name="g", doc="", states=("a", "b"), initial="a",
+        transitions=({"trigger": "GO", "source": "a", "dest": "b", "conditions": "is_last"},),
+        guards={"is_last": is_last, "unused": is_last},
+    )  # fmt: skip
+    assert spec.guards == {"is_last": is_last}  # only those it names are kept
+    with pytest.raises(ValueError, match="unused guards"):
+        check_guards([spec], {"is_last": is_last, "unused": is_last})
+    with pytest.raises(ValueError, match=r"guards \['is_last'\] are not declared"):
+        MachineSpec(
+            name="g", doc="", states=("a", "b"), initial="a",
+            transitions=({"trigger": "GO", "source": "a", "dest": "b", "conditions": "is_last"},),
+            guards={"other": is_last},
+        )  # fmt: skip
 
 
 def test_plan_total_bytes_counts_every_component_of_every_request() -> None:
