@@ -27,10 +27,10 @@ import time
 from collections.abc import Callable, Sequence
 
 from rd2h_protocol._machine import MachineSpec
-from rd2h_protocol.codec import encode
+from rd2h_protocol.wire.codec import encode
 from rd2h_protocol.events import Chunk
-from rd2h_protocol.layout import LayerLayout
-from rd2h_protocol.messages import ALL_CAPABILITIES, Ack, ReadDone, ReadReadyBatch
+from rd2h_protocol.wire.layout import LayerLayout
+from rd2h_protocol.wire.messages import ALL_CAPABILITIES, Ack, ReadDone, ReadReadyBatch
 from rd2h_protocol.producer import (
     DecodeTarget,
     ProducerConfig,

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Literal, TypeAlias
 
 from rd2h_protocol.errors import ErrorCode, TransferError
-from rd2h_protocol.messages import Abort, Message
+from rd2h_protocol.wire.messages import Abort, Message
 from rd2h_protocol.plan import ReadPlan
 
 __all__ = [

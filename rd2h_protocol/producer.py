@@ -66,7 +66,7 @@ from typing import Final, Literal, TypeAlias
 import msgspec
 
 from rd2h_protocol._machine import NO_EFFECT
-from rd2h_protocol.codec import decode
+from rd2h_protocol.wire.codec import decode
 from rd2h_protocol.errors import (
     ConfigError,
     ErrorCode,
@@ -86,8 +86,8 @@ from rd2h_protocol.events import (
     RequestFinished,
     Send,
 )
-from rd2h_protocol.layout import LayerLayout, assign_storage_slots, encode_layer_metadata
-from rd2h_protocol.messages import (
+from rd2h_protocol.wire.layout import LayerLayout, assign_storage_slots, encode_layer_metadata
+from rd2h_protocol.wire.messages import (
     ALL_CAPABILITIES,
     CAP_ABORT,
     CAP_LEASE,

@@ -37,10 +37,10 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Final
 
-from rd2h_protocol.codec import StepEncoder
+from rd2h_protocol.wire.codec import StepEncoder
 from rd2h_protocol.errors import ConfigError, LocalProtocolError
 from rd2h_protocol.events import Chunk
-from rd2h_protocol.layout import LayerLayout
+from rd2h_protocol.wire.layout import LayerLayout
 from rd2h_protocol.producer import (
     Connect,
     DecodeTarget,

@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Final, NamedTuple, TypeAlias
 
-from rd2h_protocol.layout import DestinationLayout, LayerLayout
-from rd2h_protocol.messages import ALL_CAPABILITIES, Message
+from rd2h_protocol.wire.layout import DestinationLayout, LayerLayout
+from rd2h_protocol.wire.messages import ALL_CAPABILITIES, Message
 from rd2h_protocol.plan import ReadPlan
 from rd2h_protocol.producer import ProtocolChoice, V1LeaseExpiry
 

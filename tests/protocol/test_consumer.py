@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rd2h_protocol.codec import decode, encode
+from rd2h_protocol.wire.codec import decode, encode
 from rd2h_protocol.consumer import (
     CONSUMER_MACHINES,
     ConsumerConfig,
@@ -35,13 +35,13 @@ from rd2h_protocol.errors import (
     LocalProtocolError,
     TransferError,
 )
-from rd2h_protocol.layout import (
+from rd2h_protocol.wire.layout import (
     ComponentDest,
     DestinationLayout,
     LayerLayout,
     encode_layer_metadata,
 )
-from rd2h_protocol.messages import (
+from rd2h_protocol.wire.messages import (
     ALL_CAPABILITIES,
     CAP_ABORT,
     CAP_RESEND,

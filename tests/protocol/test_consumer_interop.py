@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from rd2h_protocol.codec import encode
+from rd2h_protocol.wire.codec import encode
 from rd2h_protocol.completion import CrossRankCompletion, RankReport
 from rd2h_protocol.consumer import (
     ConsumerConfig,
@@ -29,7 +29,7 @@ from rd2h_protocol.consumer import (
 )
 from rd2h_protocol.errors import TransferError
 from rd2h_protocol.events import Chunk
-from rd2h_protocol.layout import ComponentDest, DestinationLayout, LayerLayout
+from rd2h_protocol.wire.layout import ComponentDest, DestinationLayout, LayerLayout
 from rd2h_protocol.producer import (
     Connect,
     DecodeTarget,

@@ -13,7 +13,7 @@ from typing import Any
 import msgpack
 import pytest
 
-from rd2h_protocol.codec import decode, encode
+from rd2h_protocol.wire.codec import decode, encode
 from rd2h_protocol.errors import (
     ConfigError,
     ErrorCode,
@@ -22,8 +22,8 @@ from rd2h_protocol.errors import (
     TransferError,
 )
 from rd2h_protocol.events import Chunk
-from rd2h_protocol.layout import LayerLayout, decode_layer_metadata
-from rd2h_protocol.messages import (
+from rd2h_protocol.wire.layout import LayerLayout, decode_layer_metadata
+from rd2h_protocol.wire.messages import (
     ALL_CAPABILITIES,
     CAP_LEASE,
     CAP_RECONNECT,

@@ -27,10 +27,10 @@ from hypothesis.stateful import (
 )
 from test_producer import ACK_V1_FRAME, ack_v2, layers
 
-from rd2h_protocol.codec import decode, encode
+from rd2h_protocol.wire.codec import decode, encode
 from rd2h_protocol.errors import ErrorCode
 from rd2h_protocol.events import Chunk
-from rd2h_protocol.messages import (
+from rd2h_protocol.wire.messages import (
     Abort,
     Ack,
     FailedRequest,
