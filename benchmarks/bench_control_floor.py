@@ -51,11 +51,11 @@ import zmq
 
 from benchmarks.bench_control_plane import LAYERS, Pair, decode_layers, prefill_layers
 from benchmarks.bench_datapath import backend_layer_reader
-from rd2h_protocol.codec import encode
 from rd2h_protocol.consumer import ConsumerConfig, ConsumerEndpoint, StartRead
 from rd2h_protocol.errors import ProtocolError
-from rd2h_protocol.layout import encode_layer_metadata
-from rd2h_protocol.messages import MfMeta, ReadReadyBatch, ReadReq
+from rd2h_protocol.wire.codec import encode
+from rd2h_protocol.wire.layout import encode_layer_metadata
+from rd2h_protocol.wire.messages import MfMeta, ReadReadyBatch, ReadReq
 from rd2h_runtime.planning import build_descriptors
 from rd2h_runtime.transfer.base import BlockingCallRunner
 

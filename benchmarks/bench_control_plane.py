@@ -37,9 +37,9 @@ import numpy as np
 
 from benchmarks.bench_planning import baseline_planner
 from rd2h_protocol.consumer import ConsumerConfig
-from rd2h_protocol.layout import ComponentDest, DestinationLayout, LayerLayout
 from rd2h_protocol.plan import ReadPlan
 from rd2h_protocol.producer import DecodeTarget, ProducerConfig
+from rd2h_protocol.wire.layout import ComponentDest, DestinationLayout, LayerLayout
 from rd2h_runtime.decode import DecodeWorker
 from rd2h_runtime.planning import Descriptors, build_descriptors
 from rd2h_runtime.prefill import PrefillWorker

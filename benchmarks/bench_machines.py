@@ -29,10 +29,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from rd2h_protocol._machine import MachineSpec, no_effect
-from rd2h_protocol.codec import encode
 from rd2h_protocol.events import Chunk
-from rd2h_protocol.layout import LayerLayout
-from rd2h_protocol.messages import ALL_CAPABILITIES, Ack, ReadDone, ReadReadyBatch
 from rd2h_protocol.producer import (
     DecodeTarget,
     ProducerConfig,
@@ -45,6 +42,9 @@ from rd2h_protocol.producer_machines import (
     PREFILL_REQUEST,
     STORAGE_GATE,
 )
+from rd2h_protocol.wire.codec import encode
+from rd2h_protocol.wire.layout import LayerLayout
+from rd2h_protocol.wire.messages import ALL_CAPABILITIES, Ack, ReadDone, ReadReadyBatch
 
 # A cycle of allowed inputs per machine: (start state, inputs that lead back to it).
 CYCLES: tuple[tuple[MachineSpec, str, tuple[str, ...]], ...] = (

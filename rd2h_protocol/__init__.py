@@ -7,7 +7,6 @@ configurations, their inputs and outputs (:mod:`rd2h_protocol.events`), the mess
 codec, and the errors. specs/api.md shows how to drive an endpoint.
 """
 
-from rd2h_protocol.codec import decode, encode
 from rd2h_protocol.completion import CrossRankCompletion, RankReport
 from rd2h_protocol.consumer import ConsumerConfig, ConsumerEndpoint, ConsumerStats
 from rd2h_protocol.errors import (
@@ -42,14 +41,18 @@ from rd2h_protocol.events import (
     SendAbort,
     StartRead,
 )
-from rd2h_protocol.layout import (
+from rd2h_protocol.plan import ComponentAddrs, ReadPlan, RequestRead
+from rd2h_protocol.producer import DecodeTarget, ProducerConfig, ProducerEndpoint, ProducerStats
+from rd2h_protocol.rendezvous import Rendezvous
+from rd2h_protocol.wire.codec import decode, encode
+from rd2h_protocol.wire.layout import (
     ComponentDest,
     DestinationLayout,
     LayerLayout,
     decode_layer_metadata,
     encode_layer_metadata,
 )
-from rd2h_protocol.messages import (
+from rd2h_protocol.wire.messages import (
     ACK_V1,
     PROTOCOL_VERSION,
     Abort,
@@ -62,9 +65,6 @@ from rd2h_protocol.messages import (
     ReadReadyBatch,
     ReadReq,
 )
-from rd2h_protocol.plan import ComponentAddrs, ReadPlan, RequestRead
-from rd2h_protocol.producer import DecodeTarget, ProducerConfig, ProducerEndpoint, ProducerStats
-from rd2h_protocol.rendezvous import Rendezvous
 
 __all__ = [
     "ACK_V1",

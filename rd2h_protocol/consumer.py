@@ -26,7 +26,7 @@ Serving one readiness (reference §2, departures 1, 4, 6, 11):
    ``layer_idx`` must be the index v1 peers derive from that name
    (:func:`~rd2h_protocol.topology.wire_layer_index`, else ``LAYOUT_MISMATCH`` naming
    both); the layout must match the destination
-   (:func:`~rd2h_protocol.layout.validate_layer`). A failure here
+   (:func:`~rd2h_protocol.wire.layout.validate_layer`). A failure here
    fails the WHOLE layer, ``read_failed``, before any byte moves (never a partial write),
    and every known request the message names fails with it.
 2. Requests this rank does not know yet (the rendezvous outran the worker) park the
@@ -73,7 +73,6 @@ from typing import Annotated, Any, Final, Literal, TypeAlias
 import msgspec
 
 from rd2h_protocol._machine import NO_EFFECT, no_effect
-from rd2h_protocol.codec import decode
 from rd2h_protocol.completion import EFFECT_IGNORE_DUPLICATE, ContributorSet
 from rd2h_protocol.consumer_machines import (
     CONSUMER_MACHINES,
@@ -156,7 +155,10 @@ from rd2h_protocol.events import (
     SendAbort,
     StartRead,
 )
-from rd2h_protocol.layout import (
+from rd2h_protocol.plan import ComponentAddrs, ReadPlan, RequestRead
+from rd2h_protocol.topology import indexer_share, main_share, wire_layer_indices
+from rd2h_protocol.wire.codec import decode
+from rd2h_protocol.wire.layout import (
     DestinationLayout,
     LayerLayout,
     check_destination_range,
@@ -164,7 +166,7 @@ from rd2h_protocol.layout import (
     decode_layer_metadata,
     validate_layer,
 )
-from rd2h_protocol.messages import (
+from rd2h_protocol.wire.messages import (
     ALL_CAPABILITIES,
     CAP_ABORT,
     CAP_ISOLATE,
@@ -188,8 +190,6 @@ from rd2h_protocol.messages import (
     ReadReadyBatch,
     ReadReq,
 )
-from rd2h_protocol.plan import ComponentAddrs, ReadPlan, RequestRead
-from rd2h_protocol.topology import indexer_share, main_share, wire_layer_indices
 
 __all__ = [
     "CONSUMER_MACHINES",
@@ -596,7 +596,7 @@ def _bounded_entries(bound: int) -> msgspec.msgpack.Decoder[list[ReadReq]]:
     The entry type is a :class:`ReadReq` subclass that differs only in the block-id
     element type (and holds the ids as tuples: immutable, so the runtime may key caches
     on them), so entries it accepts carry the same values as
-    :func:`~rd2h_protocol.codec.decode` would give. msgspec checks the bound while it
+    :func:`~rd2h_protocol.wire.codec.decode` would give. msgspec checks the bound while it
     builds each int anyway: the per-request source-range check then costs nothing for
     the usual message, with no Python work per id. Cached per bound (every session of one
     model has the same ``num_blocks``).

@@ -37,8 +37,8 @@ from dataclasses import dataclass
 from typing import Literal, TypeAlias
 
 from rd2h_protocol.errors import ErrorCode, TransferError
-from rd2h_protocol.messages import Abort, Message
 from rd2h_protocol.plan import ReadPlan
+from rd2h_protocol.wire.messages import Abort, Message
 
 __all__ = [
     "Chunk",

@@ -70,7 +70,6 @@ from typing import Final, Literal, TypeAlias
 import msgspec
 
 from rd2h_protocol._machine import NO_EFFECT, no_effect
-from rd2h_protocol.codec import decode
 from rd2h_protocol.errors import (
     ConfigError,
     ErrorCode,
@@ -89,25 +88,6 @@ from rd2h_protocol.events import (
     ProducerOutput,
     RequestFinished,
     Send,
-)
-from rd2h_protocol.layout import LayerLayout, assign_storage_slots, encode_layer_metadata
-from rd2h_protocol.messages import (
-    ALL_CAPABILITIES,
-    CAP_ABORT,
-    CAP_LEASE,
-    CAP_RECONNECT,
-    CAP_RESEND,
-    CAP_SEQ,
-    PROTOCOL_VERSION,
-    Abort,
-    Ack,
-    FailedRequest,
-    Message,
-    MfMeta,
-    ReadDone,
-    ReadFailed,
-    ReadReadyBatch,
-    ReadReq,
 )
 from rd2h_protocol.producer_machines import (
     C_LOCAL_CONNECTION_LOST,
@@ -206,6 +186,26 @@ from rd2h_protocol.topology import (
     decode_rank_port,
     map_prefill_rank,
     wire_layer_indices,
+)
+from rd2h_protocol.wire.codec import decode
+from rd2h_protocol.wire.layout import LayerLayout, assign_storage_slots, encode_layer_metadata
+from rd2h_protocol.wire.messages import (
+    ALL_CAPABILITIES,
+    CAP_ABORT,
+    CAP_LEASE,
+    CAP_RECONNECT,
+    CAP_RESEND,
+    CAP_SEQ,
+    PROTOCOL_VERSION,
+    Abort,
+    Ack,
+    FailedRequest,
+    Message,
+    MfMeta,
+    ReadDone,
+    ReadFailed,
+    ReadReadyBatch,
+    ReadReq,
 )
 
 __all__ = [

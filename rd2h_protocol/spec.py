@@ -35,7 +35,7 @@ import rd2h_protocol.events
 from rd2h_protocol._machine import NO_EFFECT, MachineSpec
 from rd2h_protocol.checker.configs import CONFIGS
 from rd2h_protocol.checker.invariants import INVARIANTS
-from rd2h_protocol.messages import (
+from rd2h_protocol.wire.messages import (
     MESSAGE_TYPES,
     PROTOCOL_VERSION,
     TAG_ACK_V1,

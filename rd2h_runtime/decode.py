@@ -46,7 +46,6 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Final
 
-from rd2h_protocol.codec import encode
 from rd2h_protocol.consumer import (
     ConsumerConfig,
     ConsumerEndpoint,
@@ -60,8 +59,9 @@ from rd2h_protocol.consumer import (
     StartRead,
 )
 from rd2h_protocol.errors import ErrorCode, LocalProtocolError, ProtocolError, TransferError
-from rd2h_protocol.layout import DestinationLayout
 from rd2h_protocol.plan import ReadPlan
+from rd2h_protocol.wire.codec import encode
+from rd2h_protocol.wire.layout import DestinationLayout
 from rd2h_runtime.control import (
     ConnectionEvent,
     ControlOptions,

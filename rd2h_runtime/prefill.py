@@ -37,10 +37,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Final
 
-from rd2h_protocol.codec import StepEncoder
 from rd2h_protocol.errors import ConfigError, LocalProtocolError
 from rd2h_protocol.events import Chunk
-from rd2h_protocol.layout import LayerLayout
 from rd2h_protocol.producer import (
     Connect,
     DecodeTarget,
@@ -55,6 +53,8 @@ from rd2h_protocol.producer import (
     RequestFinished,
     Send,
 )
+from rd2h_protocol.wire.codec import StepEncoder
+from rd2h_protocol.wire.layout import LayerLayout
 from rd2h_runtime.connection_health import (
     DECODE_CONNECTION_HEALTH,
     EFFECT_LOSE,

@@ -46,8 +46,8 @@ from typing import Any, Final
 
 import msgspec
 
-from rd2h_protocol.codec import decode, encode
-from rd2h_protocol.messages import Abort, ReadDone, ReadFailed, ReadReadyBatch
+from rd2h_protocol.wire.codec import decode, encode
+from rd2h_protocol.wire.messages import Abort, ReadDone, ReadFailed, ReadReadyBatch
 
 __all__ = [
     "ENV_VAR",

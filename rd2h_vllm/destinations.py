@@ -8,7 +8,7 @@ of the wire) the connector needs the base address and bytes per vLLM block of ea
 block array (K and V, or one array holding both), the optional sparse-attention indexer
 and LIC8 scale destinations, and how many blocks each holds.
 :meth:`DestinationProvider.layouts` turns that into the
-:class:`~rd2h_protocol.layout.DestinationLayout` list the Decode endpoint validates
+:class:`~rd2h_protocol.wire.layout.DestinationLayout` list the Decode endpoint validates
 Prefill's MF_META against (``ConsumerConfig.layers``).
 
 Bindings:
@@ -45,8 +45,8 @@ from typing import Any, Final, Protocol
 import torch
 
 from rd2h_protocol.errors import ConfigError
-from rd2h_protocol.layout import ComponentDest, DestinationLayout
 from rd2h_protocol.topology import layer_number
+from rd2h_protocol.wire.layout import ComponentDest, DestinationLayout
 
 
 def tensor_destination(tensor: torch.Tensor, num_blocks: int, what: str) -> ComponentDest:

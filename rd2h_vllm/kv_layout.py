@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from rd2h_protocol.errors import ConfigError
-from rd2h_protocol.layout import ComponentDest
+from rd2h_protocol.wire.layout import ComponentDest
 
 
 def _dims(tensor: torch.Tensor) -> list[tuple[int, int]]:

@@ -74,12 +74,12 @@ import msgspec
 from rd2h_protocol.checker.model import Frame
 from rd2h_protocol.checker.snapshot import _connection_of, _share
 from rd2h_protocol.checker.world import World
-from rd2h_protocol.codec import decode
 from rd2h_protocol.consumer import ConsumerEndpoint
-from rd2h_protocol.layout import DestinationLayout, LayerLayout
-from rd2h_protocol.messages import Abort, ReadDone, ReadFailed, ReadReadyBatch
 from rd2h_protocol.plan import ReadPlan
 from rd2h_protocol.producer import ProducerEndpoint
+from rd2h_protocol.wire.codec import decode
+from rd2h_protocol.wire.layout import DestinationLayout, LayerLayout
+from rd2h_protocol.wire.messages import Abort, ReadDone, ReadFailed, ReadReadyBatch
 
 __all__ = ["fingerprint"]
 

@@ -14,7 +14,7 @@ from dataclasses import replace
 from typing import Final
 
 from rd2h_protocol.checker.model import RequestSpec, WorldConfig
-from rd2h_protocol.messages import ALL_CAPABILITIES
+from rd2h_protocol.wire.messages import ALL_CAPABILITIES
 
 __all__ = ["CONFIGS"]
 

@@ -52,7 +52,6 @@ from rd2h_protocol.checker.model import (
     _Static,
     layer_name,
 )
-from rd2h_protocol.codec import encode
 from rd2h_protocol.completion import CrossRankCompletion, RankReport
 from rd2h_protocol.consumer import (
     ConsumerConfig,
@@ -66,8 +65,6 @@ from rd2h_protocol.consumer import (
 )
 from rd2h_protocol.consumer import Output as ConsumerOutput
 from rd2h_protocol.events import Chunk
-from rd2h_protocol.layout import ComponentDest, DestinationLayout, LayerLayout
-from rd2h_protocol.messages import Abort, ReadDone, ReadFailed, ReadReadyBatch
 from rd2h_protocol.producer import (
     DecodeTarget,
     Disconnect,
@@ -77,6 +74,9 @@ from rd2h_protocol.producer import (
     Send,
 )
 from rd2h_protocol.producer import Output as ProducerOutput
+from rd2h_protocol.wire.codec import encode
+from rd2h_protocol.wire.layout import ComponentDest, DestinationLayout, LayerLayout
+from rd2h_protocol.wire.messages import Abort, ReadDone, ReadFailed, ReadReadyBatch
 
 __all__ = ["WorldCore"]
 _STATICS: dict[int, _Static] = {}

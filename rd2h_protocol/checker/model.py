@@ -13,10 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Final, NamedTuple, TypeAlias
 
-from rd2h_protocol.layout import DestinationLayout, LayerLayout
-from rd2h_protocol.messages import ALL_CAPABILITIES, Message
 from rd2h_protocol.plan import ReadPlan
 from rd2h_protocol.producer import ProtocolChoice, V1LeaseExpiry
+from rd2h_protocol.wire.layout import DestinationLayout, LayerLayout
+from rd2h_protocol.wire.messages import ALL_CAPABILITIES, Message
 
 __all__ = ["Frame", "RequestSpec", "WorldConfig", "layer_name"]
 

@@ -1,7 +1,7 @@
 """The simulated network of the model world: frames in flight, delivered, lost or duplicated.
 
-An in-flight list of frames (bytes, through :func:`~rd2h_protocol.codec.encode` /
-:func:`~rd2h_protocol.codec.decode`). What the real transport (ZMQ DEALER/ROUTER over
+An in-flight list of frames (bytes, through :func:`~rd2h_protocol.wire.codec.encode` /
+:func:`~rd2h_protocol.wire.codec.decode`). What the real transport (ZMQ DEALER/ROUTER over
 TCP) guarantees, and so what the model assumes: frames of one connection arrive in order
 (``WorldConfig.fifo``; frames of different connections interleave freely), a frame is
 never duplicated or corrupted, and frames are lost when a peer dies (its connections
@@ -27,8 +27,8 @@ from __future__ import annotations
 
 from rd2h_protocol.checker.core import WorldCore, _reply_key
 from rd2h_protocol.checker.model import Addr
-from rd2h_protocol.codec import decode
-from rd2h_protocol.messages import ReadReadyBatch
+from rd2h_protocol.wire.codec import decode
+from rd2h_protocol.wire.messages import ReadReadyBatch
 
 __all__ = ["NetworkWorld"]
 

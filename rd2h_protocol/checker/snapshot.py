@@ -36,9 +36,9 @@ from rd2h_protocol.checker.model import (
 )
 from rd2h_protocol.completion import CompletionStats
 from rd2h_protocol.consumer import ConsumerConfig, ConsumerStats
-from rd2h_protocol.layout import DestinationLayout, LayerLayout
-from rd2h_protocol.messages import MfMeta
 from rd2h_protocol.producer import ProducerConfig, ProducerStats
+from rd2h_protocol.wire.layout import DestinationLayout, LayerLayout
+from rd2h_protocol.wire.messages import MfMeta
 
 # Objects shared by every snapshot instead of copied into each: index -> object.
 _SHARED: list[object] = []

@@ -62,10 +62,10 @@ from rd2h_protocol.checker.clock import TimedWorld
 from rd2h_protocol.checker.invariants import InvariantViolation
 from rd2h_protocol.checker.model import Action, RequestSpec, WorldConfig, _Rank
 from rd2h_protocol.checker.snapshot import _DISPATCH, _connection_of
-from rd2h_protocol.codec import decode
 from rd2h_protocol.completion import CrossRankCompletion
 from rd2h_protocol.errors import ErrorCode
-from rd2h_protocol.messages import Abort, Message, ReadDone, ReadFailed, ReadReadyBatch
+from rd2h_protocol.wire.codec import decode
+from rd2h_protocol.wire.messages import Abort, Message, ReadDone, ReadFailed, ReadReadyBatch
 
 __all__ = ["World"]
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Final, Generic, Literal, TypeVar
 
 from rd2h_protocol.errors import ConfigError, ProtocolError
-from rd2h_protocol.messages import MAX_FRAME_BYTES
+from rd2h_protocol.wire.messages import MAX_FRAME_BYTES
 
 # ZMQ_HEARTBEAT_TTL travels in deciseconds in a 16-bit field: 6553.5 s is its ceiling.
 _MAX_HEARTBEAT_TTL_S: Final = 6553.5

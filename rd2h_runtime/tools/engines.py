@@ -42,9 +42,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rd2h_protocol.consumer import ConsumerConfig
-from rd2h_protocol.layout import DestinationLayout
-from rd2h_protocol.messages import ALL_CAPABILITIES
 from rd2h_protocol.producer import DecodeTarget, ProducerConfig, RequestFinished
+from rd2h_protocol.wire.layout import DestinationLayout
+from rd2h_protocol.wire.messages import ALL_CAPABILITIES
 from rd2h_runtime.control import BindError, ControlOptions
 from rd2h_runtime.decode import DecodeWorker, Outcome
 from rd2h_runtime.prefill import PrefillWorker

@@ -37,8 +37,8 @@ import numpy as np
 import numpy.typing as npt
 
 from rd2h_protocol.errors import ConfigError
-from rd2h_protocol.layout import ComponentDest, DestinationLayout, LayerLayout
 from rd2h_protocol.topology import chunk_block_range, transferred_tokens_before
+from rd2h_protocol.wire.layout import ComponentDest, DestinationLayout, LayerLayout
 
 __all__ = [
     "COMPONENTS",

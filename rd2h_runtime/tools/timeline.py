@@ -37,8 +37,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from rd2h_protocol.codec import decode
-from rd2h_protocol.messages import ReadReadyBatch
+from rd2h_protocol.wire.codec import decode
+from rd2h_protocol.wire.messages import ReadReadyBatch
 from rd2h_runtime.trace import frame_summary
 
 __all__ = ["Stream", "Timeline", "build_timeline", "load_streams", "main"]

@@ -12,8 +12,8 @@ import torch
 from rd2h_protocol.errors import (
     ConfigError,
 )
-from rd2h_protocol.layout import ComponentDest, LayerLayout
 from rd2h_protocol.topology import layer_number
+from rd2h_protocol.wire.layout import ComponentDest, LayerLayout
 from rd2h_vllm.config import Rd2hConfig
 from rd2h_vllm.destinations import (
     LayerCaches,

@@ -32,8 +32,8 @@ from rd2h_protocol import (
     decode,
     encode,
 )
-from rd2h_protocol.codec import StepEncoder
-from rd2h_protocol.messages import (
+from rd2h_protocol.wire.codec import StepEncoder
+from rd2h_protocol.wire.messages import (
     MAX_BLOCKS_PER_REQUEST,
     MAX_FRAME_BYTES,
     MAX_NAME_LEN,

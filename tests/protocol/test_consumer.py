@@ -16,7 +16,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rd2h_protocol.codec import decode, encode
 from rd2h_protocol.consumer import (
     CONSUMER_MACHINES,
     ConsumerConfig,
@@ -35,13 +34,16 @@ from rd2h_protocol.errors import (
     LocalProtocolError,
     TransferError,
 )
-from rd2h_protocol.layout import (
+from rd2h_protocol.plan import ReadPlan
+from rd2h_protocol.topology import chunk_block_range, map_prefill_rank
+from rd2h_protocol.wire.codec import decode, encode
+from rd2h_protocol.wire.layout import (
     ComponentDest,
     DestinationLayout,
     LayerLayout,
     encode_layer_metadata,
 )
-from rd2h_protocol.messages import (
+from rd2h_protocol.wire.messages import (
     ALL_CAPABILITIES,
     CAP_ABORT,
     CAP_RESEND,
@@ -56,8 +58,6 @@ from rd2h_protocol.messages import (
     ReadReadyBatch,
     ReadReq,
 )
-from rd2h_protocol.plan import ReadPlan
-from rd2h_protocol.topology import chunk_block_range, map_prefill_rank
 
 # -- fixtures ------------------------------------------------------------------------------
 

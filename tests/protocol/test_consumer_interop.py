@@ -15,7 +15,6 @@ from typing import Any
 
 import pytest
 
-from rd2h_protocol.codec import encode
 from rd2h_protocol.completion import CrossRankCompletion, RankReport
 from rd2h_protocol.consumer import (
     ConsumerConfig,
@@ -29,7 +28,6 @@ from rd2h_protocol.consumer import (
 )
 from rd2h_protocol.errors import TransferError
 from rd2h_protocol.events import Chunk
-from rd2h_protocol.layout import ComponentDest, DestinationLayout, LayerLayout
 from rd2h_protocol.producer import (
     Connect,
     DecodeTarget,
@@ -38,6 +36,8 @@ from rd2h_protocol.producer import (
     RequestFinished,
     Send,
 )
+from rd2h_protocol.wire.codec import encode
+from rd2h_protocol.wire.layout import ComponentDest, DestinationLayout, LayerLayout
 
 LAYERS = [f"model.layers.{i}.self_attn" for i in range(3)]
 HOST, BASE_PORT = "10.0.0.2", 20050

@@ -24,7 +24,7 @@ from rd2h_protocol import (
     encode_layer_metadata,
     events,
 )
-from rd2h_protocol.messages import ALL_CAPABILITIES, CAP_ABORT, CAP_SEQ
+from rd2h_protocol.wire.messages import ALL_CAPABILITIES, CAP_ABORT, CAP_SEQ
 
 LAYOUT = LayerLayout(base_addrs=[0x1000, 0x2000], block_len=[64, 64], tensor_group_idx=[0, 0])
 

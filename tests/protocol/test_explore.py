@@ -22,7 +22,6 @@ from rd2h_protocol.checker.explore import explore
 from rd2h_protocol.checker.invariants import INVARIANTS, InvariantViolation
 from rd2h_protocol.checker.model import RequestSpec, WorldConfig
 from rd2h_protocol.checker.world import World
-from rd2h_protocol.codec import encode
 from rd2h_protocol.completion import CONTRIB_COMPLETE, EFFECT_COMPLETE, ContributorSet
 from rd2h_protocol.consumer import (
     ConsumerConfig,
@@ -34,19 +33,26 @@ from rd2h_protocol.consumer import (
     StartRead,
 )
 from rd2h_protocol.errors import ErrorCode, TransferError
-from rd2h_protocol.layout import (
-    ComponentDest,
-    DestinationLayout,
-    LayerLayout,
-    encode_layer_metadata,
-)
-from rd2h_protocol.messages import ALL_CAPABILITIES, MfMeta, ReadFailed, ReadReadyBatch, ReadReq
 from rd2h_protocol.producer_machines import (
     EFFECT_REOPEN,
     G_RECV_LAST_REPLY,
     G_RECV_REPLY,
     GATE_OPEN,
     STORAGE_GATE,
+)
+from rd2h_protocol.wire.codec import encode
+from rd2h_protocol.wire.layout import (
+    ComponentDest,
+    DestinationLayout,
+    LayerLayout,
+    encode_layer_metadata,
+)
+from rd2h_protocol.wire.messages import (
+    ALL_CAPABILITIES,
+    MfMeta,
+    ReadFailed,
+    ReadReadyBatch,
+    ReadReq,
 )
 
 # -- regressions found by the explorer, pinned on the endpoint itself ---------------------

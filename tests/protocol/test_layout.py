@@ -19,7 +19,8 @@ from rd2h_protocol.errors import (
     RemoteProtocolError,
     ValueOutOfRange,
 )
-from rd2h_protocol.layout import (
+from rd2h_protocol.plan import ComponentAddrs
+from rd2h_protocol.wire.layout import (
     MAX_LAYERS,
     MAX_NUM_BLOCKS,
     ComponentDest,
@@ -33,8 +34,7 @@ from rd2h_protocol.layout import (
     encode_layer_metadata,
     validate_layer,
 )
-from rd2h_protocol.messages import MAX_FRAME_BYTES
-from rd2h_protocol.plan import ComponentAddrs
+from rd2h_protocol.wire.messages import MAX_FRAME_BYTES
 
 K_BASE, V_BASE, IDX_BASE, SCALE_BASE = 0x7F00_0000_0000, 0x7F10_0000_0000, 0x100_0000, 0x200_0000
 

@@ -13,7 +13,6 @@ from typing import Any
 import msgpack
 import pytest
 
-from rd2h_protocol.codec import decode, encode
 from rd2h_protocol.errors import (
     ConfigError,
     ErrorCode,
@@ -22,8 +21,22 @@ from rd2h_protocol.errors import (
     TransferError,
 )
 from rd2h_protocol.events import Chunk
-from rd2h_protocol.layout import LayerLayout, decode_layer_metadata
-from rd2h_protocol.messages import (
+from rd2h_protocol.producer import (
+    Connect,
+    DecodeTarget,
+    Disconnect,
+    GateOpened,
+    LayerReplied,
+    Output,
+    ProducerConfig,
+    ProducerEndpoint,
+    PublicationView,
+    RequestFinished,
+    Send,
+)
+from rd2h_protocol.wire.codec import decode, encode
+from rd2h_protocol.wire.layout import LayerLayout, decode_layer_metadata
+from rd2h_protocol.wire.messages import (
     ALL_CAPABILITIES,
     CAP_LEASE,
     CAP_RECONNECT,
@@ -37,19 +50,6 @@ from rd2h_protocol.messages import (
     ReadDone,
     ReadFailed,
     ReadReadyBatch,
-)
-from rd2h_protocol.producer import (
-    Connect,
-    DecodeTarget,
-    Disconnect,
-    GateOpened,
-    LayerReplied,
-    Output,
-    ProducerConfig,
-    ProducerEndpoint,
-    PublicationView,
-    RequestFinished,
-    Send,
 )
 
 HOST = "127.0.0.1"

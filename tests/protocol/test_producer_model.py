@@ -27,18 +27,8 @@ from hypothesis.stateful import (
 )
 from test_producer import ACK_V1_FRAME, ack_v2, layers
 
-from rd2h_protocol.codec import decode, encode
 from rd2h_protocol.errors import ErrorCode
 from rd2h_protocol.events import Chunk
-from rd2h_protocol.messages import (
-    Abort,
-    Ack,
-    FailedRequest,
-    MfMeta,
-    ReadDone,
-    ReadFailed,
-    ReadReadyBatch,
-)
 from rd2h_protocol.producer import (
     DecodeTarget,
     Disconnect,
@@ -51,6 +41,16 @@ from rd2h_protocol.producer import (
     Send,
 )
 from rd2h_protocol.producer_machines import GATE_OPEN
+from rd2h_protocol.wire.codec import decode, encode
+from rd2h_protocol.wire.messages import (
+    Abort,
+    Ack,
+    FailedRequest,
+    MfMeta,
+    ReadDone,
+    ReadFailed,
+    ReadReadyBatch,
+)
 
 HOST = "127.0.0.1"
 ENGINES = (DecodeTarget(HOST, 20000, 1), DecodeTarget(HOST, 21000, 1))

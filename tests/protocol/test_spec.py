@@ -12,7 +12,7 @@ import pytest
 
 from rd2h_protocol import spec
 from rd2h_protocol.checker.invariants import INVARIANTS
-from rd2h_protocol.messages import MESSAGE_TYPES, ReadReadyBatch
+from rd2h_protocol.wire.messages import MESSAGE_TYPES, ReadReadyBatch
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -11,8 +11,8 @@ from collections.abc import Iterator
 from typing import Any, ClassVar
 
 from rd2h_protocol.consumer import ConsumerConfig
-from rd2h_protocol.layout import ComponentDest, DestinationLayout, LayerLayout
 from rd2h_protocol.producer import ProducerConfig
+from rd2h_protocol.wire.layout import ComponentDest, DestinationLayout, LayerLayout
 from rd2h_runtime.control import ControlOptions
 from rd2h_runtime.decode import DecodeWorker
 from rd2h_runtime.prefill import PrefillWorker

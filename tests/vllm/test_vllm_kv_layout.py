@@ -40,7 +40,7 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.worker.utils import allocate_kv_cache
 
 from rd2h_protocol.errors import ConfigError
-from rd2h_protocol.layout import ComponentDest
+from rd2h_protocol.wire.layout import ComponentDest
 from rd2h_vllm.kv_layout import block_arrays, cache_arrays, check_layer_compact, describe
 
 NUM_BLOCKS = 6

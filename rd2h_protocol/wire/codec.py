@@ -4,7 +4,7 @@
 caller can drop, count and reply to a bad frame without guessing what it raised. What it
 refuses, and as which error:
 
-- a frame over :data:`~rd2h_protocol.messages.MAX_FRAME_BYTES`, a list or string over
+- a frame over :data:`~rd2h_protocol.wire.messages.MAX_FRAME_BYTES`, a list or string over
   its bound: :class:`FrameTooLarge`;
 - an integer outside its range (negative ids, a layer index over 32 bits):
   :class:`ValueOutOfRange`;
@@ -33,7 +33,7 @@ from rd2h_protocol.errors import (
     UnknownMessageKind,
     ValueOutOfRange,
 )
-from rd2h_protocol.messages import (
+from rd2h_protocol.wire.messages import (
     MAX_FRAME_BYTES,
     MESSAGE_TYPES,
     OUT_OF_RANGE_PREFIX,

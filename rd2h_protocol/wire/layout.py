@@ -50,8 +50,8 @@ from rd2h_protocol.errors import (
     RemoteProtocolError,
     ValueOutOfRange,
 )
-from rd2h_protocol.messages import MAX_FRAME_BYTES, MAX_NAME_LEN
 from rd2h_protocol.plan import ComponentAddrs
+from rd2h_protocol.wire.messages import MAX_FRAME_BYTES, MAX_NAME_LEN
 
 # Bounds on what a peer may describe. Generous for any real model, small enough that a
 # hostile blob cannot make us allocate much before it is refused.

@@ -119,7 +119,7 @@ class FailedRequest(msgspec.Struct, array_like=True, gc=False):
 class MfMeta(msgspec.Struct, array_like=True, kw_only=True):
     """Handshake, Prefill -> Decode, once per connection before any readiness.
 
-    ``encoded_layer_metadata`` is a second msgpack blob (see :mod:`rd2h_protocol.layout`).
+    ``encoded_layer_metadata`` is a second msgpack blob (see :mod:`rd2h_protocol.wire.layout`).
     v2 appends the protocol version, capabilities and a compat string (model, dtype,
     block sizes, layout version); compat travels here rather than as a map key because a
     v1 Decode iterates every key of the inner map as a layer name. ``first_seq`` (v2) is
