@@ -28,19 +28,19 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 
-from rd2h_protocol._machine import MachineSpec, no_effect
 from rd2h_protocol.events import Chunk
+from rd2h_protocol.machines.declare import MachineSpec, no_effect
+from rd2h_protocol.machines.producer import (
+    CONNECTION_HANDSHAKE,
+    LAYER_PUBLICATION,
+    PREFILL_REQUEST,
+    STORAGE_GATE,
+)
 from rd2h_protocol.producer import (
     DecodeTarget,
     ProducerConfig,
     ProducerEndpoint,
     Send,
-)
-from rd2h_protocol.producer_machines import (
-    CONNECTION_HANDSHAKE,
-    LAYER_PUBLICATION,
-    PREFILL_REQUEST,
-    STORAGE_GATE,
 )
 from rd2h_protocol.wire.codec import encode
 from rd2h_protocol.wire.layout import LayerLayout

@@ -40,8 +40,8 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
-from rd2h_protocol._machine import Guard, MachineSpec, stay
 from rd2h_protocol.errors import ConfigError, LocalProtocolError, TopologyError
+from rd2h_protocol.machines.declare import Guard, MachineSpec, stay
 
 __all__ = [
     "CONTRIBUTOR_COMPLETION",

@@ -1,7 +1,7 @@
 """The Decode side of the protocol: one sans-IO endpoint per Decode TP rank.
 
 Over 600 lines: one endpoint class whose effect handlers (bound to the tables of
-:mod:`rd2h_protocol.consumer_machines`) share its private state; split into modules they
+:mod:`rd2h_protocol.machines.consumer`) share its private state; split into modules they
 would reach back into one another's records. The checker imports its private names here.
 
 Theory of operation
@@ -72,9 +72,27 @@ from typing import Annotated, Any, Final, Literal, TypeAlias
 
 import msgspec
 
-from rd2h_protocol._machine import NO_EFFECT, no_effect
 from rd2h_protocol.completion import EFFECT_IGNORE_DUPLICATE, ContributorSet
-from rd2h_protocol.consumer_machines import (
+from rd2h_protocol.errors import (
+    ConfigError,
+    ErrorCode,
+    LayoutMismatch,
+    LocalProtocolError,
+    ProtocolError,
+    RemoteProtocolError,
+    TransferError,
+)
+from rd2h_protocol.events import (
+    ConnectionView,
+    ConsumerOutput,
+    Releasable,
+    Reply,
+    RequestDone,
+    RequestFailed,
+    SendAbort,
+    StartRead,
+)
+from rd2h_protocol.machines.consumer import (
     CONSUMER_MACHINES,
     DECODE_READINESS,
     DECODE_REQUEST,
@@ -136,25 +154,7 @@ from rd2h_protocol.consumer_machines import (
     SESSION_V1,
     SESSION_V2,
 )
-from rd2h_protocol.errors import (
-    ConfigError,
-    ErrorCode,
-    LayoutMismatch,
-    LocalProtocolError,
-    ProtocolError,
-    RemoteProtocolError,
-    TransferError,
-)
-from rd2h_protocol.events import (
-    ConnectionView,
-    ConsumerOutput,
-    Releasable,
-    Reply,
-    RequestDone,
-    RequestFailed,
-    SendAbort,
-    StartRead,
-)
+from rd2h_protocol.machines.declare import NO_EFFECT, no_effect
 from rd2h_protocol.plan import ComponentAddrs, ReadPlan, RequestRead
 from rd2h_protocol.topology import indexer_share, main_share, wire_layer_indices
 from rd2h_protocol.wire.codec import decode

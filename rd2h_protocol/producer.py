@@ -1,7 +1,7 @@
 """The Prefill side of RD2H as a sans-IO endpoint.
 
 Over 600 lines: one endpoint class whose effect handlers (bound to the tables of
-:mod:`rd2h_protocol.producer_machines`) share its private state; split into modules they
+:mod:`rd2h_protocol.machines.producer`) share its private state; split into modules they
 would reach back into one another's records. The checker imports its private names here.
 
 Theory of operation
@@ -13,7 +13,7 @@ returns, in order: :class:`Connect` a DEALER, :class:`Send` a message, report a
 :class:`RequestFinished`, wake the compute path on :class:`GateOpened`. Nothing here
 reads a clock, opens a socket or sleeps.
 
-The rules that change state are the tables in :mod:`rd2h_protocol.producer_machines`
+The rules that change state are the tables in :mod:`rd2h_protocol.machines.producer`
 (storage-slot gates, layer publications, requests, connection handshakes); this module
 resolves their guards and performs their effects. The two properties it protects:
 
@@ -69,7 +69,6 @@ from typing import Final, Literal, TypeAlias
 
 import msgspec
 
-from rd2h_protocol._machine import NO_EFFECT, no_effect
 from rd2h_protocol.errors import (
     ConfigError,
     ErrorCode,
@@ -89,7 +88,8 @@ from rd2h_protocol.events import (
     RequestFinished,
     Send,
 )
-from rd2h_protocol.producer_machines import (
+from rd2h_protocol.machines.declare import NO_EFFECT, no_effect
+from rd2h_protocol.machines.producer import (
     C_LOCAL_CONNECTION_LOST,
     C_LOCAL_HELD_ABORTS,
     C_LOCAL_PUBLISH,

@@ -32,9 +32,9 @@ import msgspec.inspect as mi
 
 import rd2h_protocol
 import rd2h_protocol.events
-from rd2h_protocol._machine import NO_EFFECT, MachineSpec
 from rd2h_protocol.checker.configs import CONFIGS
 from rd2h_protocol.checker.invariants import INVARIANTS
+from rd2h_protocol.machines.declare import NO_EFFECT, MachineSpec
 from rd2h_protocol.wire.messages import (
     MESSAGE_TYPES,
     PROTOCOL_VERSION,
@@ -172,7 +172,7 @@ def render_machines(machines: Sequence[MachineSpec]) -> str:
     out = [
         HEADER,
         "# State machines\n\n",
-        "Each machine is declared once as data (`rd2h_protocol._machine.MachineSpec`); the "
+        "Each machine is declared once as data (`rd2h_protocol.machines.declare.MachineSpec`); the "
         "endpoints run the derived `(state, input) -> (effect, next_state)` table, each "
         "effect bound to exactly one handler (`MachineSpec.bind`: the table drives the "
         "action), and any pair not listed below is refused as a protocol error. Guards are "

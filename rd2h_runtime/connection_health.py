@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from typing import Final
 
-from rd2h_protocol._machine import MachineSpec, TransitionDecl, stay
+from rd2h_protocol.machines import MachineSpec, TransitionDecl, stay
 
 HEALTH_UP: Final = "up"
 HEALTH_BROKEN: Final = "broken"

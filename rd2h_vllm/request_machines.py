@@ -24,7 +24,7 @@ effects.
   failure or vLLM finishing it while it loads aborts it in the endpoint. A second load
   under an external id already loading is ``released`` (failed) at once.
 
-Inputs follow the naming of :mod:`rd2h_protocol._machine`: ``LOCAL_*`` from vLLM or our
+Inputs follow the naming of :mod:`rd2h_protocol.machines.declare`: ``LOCAL_*`` from vLLM or our
 own decisions, ``RECV_*`` from the endpoint's reports.
 """
 
@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from typing import Final
 
-from rd2h_protocol._machine import MachineSpec, stay
+from rd2h_protocol.machines import MachineSpec, stay
 
 # -- vLLM send -----------------------------------------------------------------------------
 

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 from transitions.core import MachineError
 
-from rd2h_protocol._machine import MachineSpec
 from rd2h_protocol.errors import LocalProtocolError
+from rd2h_protocol.machines import MachineSpec
 
 
 def pairs(machines: Sequence[MachineSpec]) -> Any:

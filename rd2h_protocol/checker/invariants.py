@@ -19,8 +19,8 @@ from typing import Final
 
 from rd2h_protocol.completion import CrossRankCompletion
 from rd2h_protocol.consumer import ConsumerEndpoint
+from rd2h_protocol.machines.producer import GATE_OPEN
 from rd2h_protocol.producer import ProducerEndpoint
-from rd2h_protocol.producer_machines import GATE_OPEN
 
 
 @dataclass(frozen=True, slots=True)

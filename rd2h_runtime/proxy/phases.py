@@ -14,7 +14,7 @@ every rule that changes a parent's phase.
 Whether the client exchange is still open and whether a dispatch task still runs are not
 phases: they decide only when the parent is removed (see the registry).
 
-Inputs follow the naming of :mod:`rd2h_protocol._machine`: ``RECV_*`` from Decode or
+Inputs follow the naming of :mod:`rd2h_protocol.machines.declare`: ``RECV_*`` from Decode or
 Prefill, ``TIMER_*`` when a deadline passed.
 """
 
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Final
 
-from rd2h_protocol._machine import MachineSpec, stay
+from rd2h_protocol.machines import MachineSpec, stay
 
 PHASE_WAITING: Final = "waiting"
 PHASE_DISPATCHING: Final = "dispatching"

@@ -9,9 +9,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 from transitions.core import MachineError
 
-from rd2h_protocol._machine import MachineSpec
 from rd2h_protocol.consumer import CONSUMER_MACHINES
 from rd2h_protocol.errors import LocalProtocolError, RemoteProtocolError
+from rd2h_protocol.machines.declare import MachineSpec
 
 PAIRS = [
     (machine, state, event)

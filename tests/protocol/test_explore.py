@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 
 from rd2h_protocol import producer as producer_module
-from rd2h_protocol._machine import TransitionDecl
 from rd2h_protocol.checker.canonical import fingerprint
 from rd2h_protocol.checker.cli import main
 from rd2h_protocol.checker.configs import CONFIGS
@@ -33,7 +32,8 @@ from rd2h_protocol.consumer import (
     StartRead,
 )
 from rd2h_protocol.errors import ErrorCode, TransferError
-from rd2h_protocol.producer_machines import (
+from rd2h_protocol.machines.declare import TransitionDecl
+from rd2h_protocol.machines.producer import (
     EFFECT_REOPEN,
     G_RECV_LAST_REPLY,
     G_RECV_REPLY,

@@ -20,7 +20,7 @@ from rd2h_protocol.checker.invariants import (
 )
 from rd2h_protocol.checker.model import RequestSpec, WorldConfig
 from rd2h_protocol.checker.world import World
-from rd2h_protocol.producer_machines import GATE_OPEN
+from rd2h_protocol.machines.producer import GATE_OPEN
 
 SMALL = WorldConfig(p_tp=1, engines=(1,), n_layers=2, n_storages=1)
 

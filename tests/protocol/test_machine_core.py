@@ -1,11 +1,12 @@
-"""The declaration core (rd2h_protocol._machine) and the small shared modules."""
+"""The declaration core (rd2h_protocol.machines.declare) and the small shared modules."""
 
 from __future__ import annotations
 
 import pytest
 from transitions import MachineError
 
-from rd2h_protocol._machine import (
+from rd2h_protocol.errors import LocalProtocolError, MissingExtra, RemoteProtocolError
+from rd2h_protocol.machines.declare import (
     NO_EFFECT,
     BoundMachine,
     Guard,
@@ -14,7 +15,6 @@ from rd2h_protocol._machine import (
     no_effect,
     stay,
 )
-from rd2h_protocol.errors import LocalProtocolError, MissingExtra, RemoteProtocolError
 from rd2h_protocol.plan import ComponentAddrs, ReadPlan, RequestRead
 
 

@@ -1,6 +1,6 @@
 """The Prefill machine declarations: the hot-path table and the transitions Machine agree.
 
-Each machine is declared once (``rd2h_protocol.producer_machines``); the endpoint runs the
+Each machine is declared once (``rd2h_protocol.machines.producer``); the endpoint runs the
 derived dict table, the docs and these tests build a ``transitions.Machine`` from the
 same declaration. They must agree on every (state, input) pair, allowed or not.
 """
@@ -12,15 +12,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 from transitions import MachineError
 
-from rd2h_protocol._machine import MachineSpec
 from rd2h_protocol.errors import LocalProtocolError, RemoteProtocolError
-from rd2h_protocol.producer import PRODUCER_MACHINES
-from rd2h_protocol.producer_machines import (
+from rd2h_protocol.machines.declare import MachineSpec
+from rd2h_protocol.machines.producer import (
     CONNECTION_HANDSHAKE,
     LAYER_PUBLICATION,
     PREFILL_REQUEST,
     STORAGE_GATE,
 )
+from rd2h_protocol.producer import PRODUCER_MACHINES
 
 MACHINES = {m.name: m for m in PRODUCER_MACHINES}
 PAIRS = [(m.name, s, i) for m in PRODUCER_MACHINES for s in m.states for i in m.inputs]

@@ -29,6 +29,7 @@ from test_producer import ACK_V1_FRAME, ack_v2, layers
 
 from rd2h_protocol.errors import ErrorCode
 from rd2h_protocol.events import Chunk
+from rd2h_protocol.machines.producer import GATE_OPEN
 from rd2h_protocol.producer import (
     DecodeTarget,
     Disconnect,
@@ -40,7 +41,6 @@ from rd2h_protocol.producer import (
     RequestFinished,
     Send,
 )
-from rd2h_protocol.producer_machines import GATE_OPEN
 from rd2h_protocol.wire.codec import decode, encode
 from rd2h_protocol.wire.messages import (
     Abort,

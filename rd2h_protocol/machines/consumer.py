@@ -7,7 +7,7 @@ A Decode TP rank owns destinations and pulls data into them. Three machines of i
 rule that changes their state lives in the tables below, and
 :mod:`rd2h_protocol.consumer` only resolves guards (counts, lookups; :data:`GUARDS` says
 which method resolves each) and binds each named effect to the handler that performs it
-(the table drives the action: see :mod:`rd2h_protocol._machine`).
+(the table drives the action: see :mod:`rd2h_protocol.machines.declare`).
 
 * **Decode request** (one per request this rank will receive KV for):
   ``allocated`` (destination blocks known) -> ``advertised`` (rendezvous posted) ->
@@ -34,7 +34,7 @@ which method resolves each) and binds each named effect to the handler that perf
   answered with a failure. Readiness from an ``unbound`` peer is answered with
   ``UNKNOWN_SESSION`` (a v2 Prefill re-handshakes and replays it once).
 
-Inputs follow the naming of :mod:`rd2h_protocol._machine`: ``LOCAL_*`` from our caller
+Inputs follow the naming of :mod:`rd2h_protocol.machines.declare`: ``LOCAL_*`` from our caller
 or our own decisions, ``RECV_*`` from the peer, ``TIMER_*`` when a deadline passed.
 """
 
@@ -42,9 +42,9 @@ from __future__ import annotations
 
 from typing import Final
 
-from rd2h_protocol._machine import Guard, MachineSpec, check_guards, stay
 from rd2h_protocol.completion import CONTRIBUTOR_COMPLETION, CROSS_RANK_COMPLETION
 from rd2h_protocol.completion import GUARDS as COMPLETION_GUARDS
+from rd2h_protocol.machines.declare import Guard, MachineSpec, check_guards, stay
 
 #: Every guard the Decode tables name: what it says and the method that resolves it.
 GUARDS: Final[dict[str, Guard]] = {

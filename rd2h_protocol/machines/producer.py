@@ -48,7 +48,7 @@ effect to the handler that performs it (the table drives the action).
   by the first publication after a backoff that doubles per refusal. The runtime's
   heartbeat declaring the endpoint dead returns it to idle from any state.
 
-Inputs follow the naming of :mod:`rd2h_protocol._machine`: ``LOCAL_*`` from our caller,
+Inputs follow the naming of :mod:`rd2h_protocol.machines.declare`: ``LOCAL_*`` from our caller,
 ``RECV_*`` from the peer, ``SEND_*`` when we put something on the wire, ``TIMER_*`` when a
 deadline passed. Guards are resolved by the endpoint before the lookup; the
 ``conditions`` name them for the diagrams.
@@ -58,7 +58,7 @@ from __future__ import annotations
 
 from typing import Final
 
-from rd2h_protocol._machine import Guard, MachineSpec, check_guards, stay
+from rd2h_protocol.machines.declare import Guard, MachineSpec, check_guards, stay
 
 #: Every guard the Prefill tables name: what it says and the method that resolves it.
 GUARDS: Final[dict[str, Guard]] = {
