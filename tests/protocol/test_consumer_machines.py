@@ -12,40 +12,11 @@ from transitions.core import MachineError
 from rd2h_protocol.consumer import CONSUMER_MACHINES
 from rd2h_protocol.errors import LocalProtocolError, RemoteProtocolError
 from rd2h_protocol.machines.declare import MachineSpec
+from tests.machine_checks import table_step, table_tests
 
-PAIRS = [
-    (machine, state, event)
-    for machine in CONSUMER_MACHINES
-    for state, event in itertools.product(machine.states, machine.inputs)
-]
-
-
-def _machine_step(spec: MachineSpec, state: str, event: str) -> str | None:
-    """The state the transitions.Machine reaches, or None when it refuses the trigger."""
-    machine = spec.build_machine()
-    model = machine.models[0]
-    machine.set_state(state)
-    try:
-        getattr(model, event)()
-    except MachineError:
-        return None
-    return str(model.state)
-
-
-def _table_step(spec: MachineSpec, state: str, event: str) -> str | None:
-    try:
-        return spec.step(state, event)[1]
-    except LocalProtocolError:
-        return None
-
-
-@pytest.mark.parametrize(
-    ("spec", "state", "event"),
-    PAIRS,
-    ids=[f"{m.name}:{s}:{e}" for m, s, e in PAIRS],
+test_table_agrees_with_machine_on_every_pair, test_declarations_are_well_formed = table_tests(
+    CONSUMER_MACHINES
 )
-def test_table_agrees_with_machine_on_every_pair(spec: MachineSpec, state: str, event: str) -> None:
-    assert _table_step(spec, state, event) == _machine_step(spec, state, event)
 
 
 @given(st.data())
@@ -56,7 +27,7 @@ def test_random_walks_agree(data: st.DataObject) -> None:
     state = spec.initial
     for _ in range(data.draw(st.integers(1, 30))):
         event = data.draw(st.sampled_from(spec.inputs))
-        expected = _table_step(spec, state, event)
+        expected = table_step(spec, state, event)
         if expected is None:
             with pytest.raises(MachineError):
                 getattr(model, event)()
@@ -77,19 +48,3 @@ def test_table_miss_raises_the_named_error(spec: MachineSpec) -> None:
         spec.step(state, event)
     with pytest.raises(RemoteProtocolError, match=state):
         spec.step(state, event, RemoteProtocolError)
-
-
-@pytest.mark.parametrize("spec", CONSUMER_MACHINES, ids=[m.name for m in CONSUMER_MACHINES])
-def test_every_state_is_reachable_and_terminal_states_are_sinks(spec: MachineSpec) -> None:
-    reached = {spec.initial}
-    frontier = [spec.initial]
-    while frontier:
-        state = frontier.pop()
-        for (source, _event), (_effect, dest) in spec.table.items():
-            if source == state and dest not in reached:
-                reached.add(dest)
-                frontier.append(dest)
-    assert reached == set(spec.states)
-    for (source, _event), (_effect, dest) in spec.table.items():
-        if source in spec.terminal:
-            assert dest == source

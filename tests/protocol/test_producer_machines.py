@@ -21,28 +21,14 @@ from rd2h_protocol.machines.producer import (
     STORAGE_GATE,
 )
 from rd2h_protocol.producer import PRODUCER_MACHINES
+from tests.machine_checks import machine_step, table_step, table_tests
 
 MACHINES = {m.name: m for m in PRODUCER_MACHINES}
 PAIRS = [(m.name, s, i) for m in PRODUCER_MACHINES for s in m.states for i in m.inputs]
 
-
-def machine_step(spec: MachineSpec, state: str, event: str) -> str | None:
-    """The transitions Machine's answer: the next state, or None when it refuses."""
-    machine = spec.build_machine()
-    model = machine.models[0]
-    machine.set_state(state)
-    try:
-        model.trigger(event)
-    except MachineError:
-        return None
-    return str(model.state)
-
-
-def table_step(spec: MachineSpec, state: str, event: str) -> str | None:
-    try:
-        return spec.step(state, event)[1]
-    except LocalProtocolError:
-        return None
+test_table_agrees_with_machine_on_every_pair, test_declarations_are_well_formed = table_tests(
+    PRODUCER_MACHINES
+)
 
 
 def test_every_producer_machine_is_listed() -> None:
@@ -53,12 +39,6 @@ def test_every_producer_machine_is_listed() -> None:
         CONNECTION_HANDSHAKE,
     )
     assert len(MACHINES) == len(PRODUCER_MACHINES)
-
-
-@pytest.mark.parametrize(("name", "state", "event"), PAIRS)
-def test_table_and_machine_agree_on_every_pair(name: str, state: str, event: str) -> None:
-    spec = MACHINES[name]
-    assert table_step(spec, state, event) == machine_step(spec, state, event)
 
 
 @given(st.sampled_from(PAIRS))
@@ -99,26 +79,6 @@ def test_a_table_miss_raises_the_named_error(spec: MachineSpec) -> None:
         spec.step(state, event, RemoteProtocolError)
     with pytest.raises(LocalProtocolError):
         spec.step(state, "NO_SUCH_INPUT")
-
-
-@pytest.mark.parametrize("spec", PRODUCER_MACHINES, ids=lambda m: m.name)
-def test_declarations_are_well_formed(spec: MachineSpec) -> None:
-    # Every state is reachable from the initial one.
-    seen = {spec.initial}
-    frontier = [spec.initial]
-    while frontier:
-        state = frontier.pop()
-        for (source, _), (_, dest) in spec.table.items():
-            if source == state and dest not in seen:
-                seen.add(dest)
-                frontier.append(dest)
-    assert seen == set(spec.states)
-    # Terminal states never leave (late input is only counted there).
-    for (source, _), (_, dest) in spec.table.items():
-        if source in spec.terminal:
-            assert dest == source
-    # Every input name says where it comes from.
-    assert all(i.split("_")[0] in {"LOCAL", "RECV", "SEND", "TIMER"} for i in spec.inputs)
 
 
 def test_request_terminal_states_have_no_transitions() -> None:
