@@ -1058,8 +1058,15 @@ class ConsumerEndpoint:
             else:
                 self.stats.unexpected_messages += 1
         except ProtocolError:
-            # A table miss provoked by peer input: a bug on our side, but the loop lives on.
+            # Input that no table allows (none does today: the session table has a row for
+            # every input in every state). As h2 closes a stream on a protocol error, that
+            # peer's session is closed: nothing half-done of it stays bound, and its Prefill
+            # learns UNKNOWN_SESSION on its next readiness and hand-shakes again (a v1 one
+            # gets a read_failed). The runtime logs the peer with the count.
             self.stats.protocol_errors += 1
+            name = self._peers.get(peer)
+            if name is not None and name in self._sessions:
+                self._forget_session(name)
         return self._flush()
 
     # -- handshake -------------------------------------------------------------------------

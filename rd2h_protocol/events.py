@@ -94,10 +94,12 @@ class Connect:
 
 @dataclass(frozen=True, slots=True)
 class Disconnect:
-    """Close the control connection ``conn`` for good (its peer was declared dead); a
-    later :class:`Connect` opens a new one, so that nothing of the old one arrives late."""
+    """Close the control connection ``conn`` for good (its peer was declared dead, for
+    ``reason``); a later :class:`Connect` opens a new one, so that nothing of the old one
+    arrives late."""
 
     conn: str
+    reason: str
 
 
 @dataclass(frozen=True, slots=True)

@@ -107,6 +107,7 @@ from rd2h_protocol.machines.producer import (
     CONNECTION_HANDSHAKE,
     EFFECT_COUNT_DUPLICATE,
     EFFECT_COUNT_STALE,
+    EFFECT_COUNT_STRAY_ACK,
     EFFECT_DONE,
     EFFECT_EXPIRE_ABORT,
     EFFECT_EXPIRE_UNSENT,
@@ -362,6 +363,7 @@ class ProducerStats:
     replays: int = 0
     resent: int = 0  # readiness sent again under its seq (a reconnect, a held publication)
     silent_peers: int = 0  # declared dead: nothing heard while they held storage
+    protocol_violations: int = 0  # declared dead: input that no table allows
 
 
 @dataclass(frozen=True, slots=True)
@@ -761,7 +763,10 @@ class ProducerEndpoint:
         """Handle one frame (or decoded message) from Decode endpoint ``conn``.
 
         Never raises for peer input: malformed, unexpected, unknown, stale and duplicate
-        input is counted in :attr:`stats` and changes nothing.
+        input is counted in :attr:`stats` and changes nothing. Input that no table allows
+        (none does today: every reply, ACK and ABORT has its row) is a protocol violation:
+        the peer is declared dead, as h2 closes a connection on one (a :class:`Disconnect`
+        saying why, then what :meth:`connection_lost` does).
         """
         if isinstance(frame, bytes | bytearray | memoryview):
             try:
@@ -789,8 +794,10 @@ class ProducerEndpoint:
                 self._on_abort(c, msg, out)
             else:
                 self.stats.unexpected_messages += 1
-        except RemoteProtocolError:
-            self.stats.dropped += 1
+        except RemoteProtocolError as exc:
+            self.stats.protocol_violations += 1
+            out.append(Disconnect(conn, f"protocol violation: {exc.message}"))
+            out.extend(self.connection_lost(conn, now))
         return out
 
     # -- time ------------------------------------------------------------------------------
@@ -995,6 +1002,10 @@ class ProducerEndpoint:
         else:
             event = C_RECV_ACK_V2
         _CONN.fire(self, conn, event, now, out, None, ack, error=RemoteProtocolError)
+
+    def _fx_count_stray_ack(self, conn: _Conn, *_args: object) -> None:
+        """An ACK no handshake waits for (a duplicate, or after a timeout): counted."""
+        self.stats.dropped += 1
 
     def _fx_refused(self, conn: _Conn, now: float, out: list[Output], _pub: None, ack: Ack) -> None:
         """Refused: back off (doubling per refusal), fail the readiness queued for it."""
@@ -1554,7 +1565,8 @@ class ProducerEndpoint:
             heapq.heappush(self._timers, (silent_since + timeout, pub.uid))
             return
         self.stats.silent_peers += 1
-        out.append(Disconnect(conn.name))
+        reason = f"nothing heard for {timeout:.1f} s while it held storage"
+        out.append(Disconnect(conn.name, reason))
         out.extend(self.connection_lost(conn.name, now))
 
     def _mark_expired(self, pub: _Pub) -> None:
@@ -1622,5 +1634,6 @@ _CONN: Final = CONNECTION_HANDSHAKE.bind(
         EFFECT_REFUSED: ProducerEndpoint._fx_refused,
         EFFECT_FAIL_QUEUED: ProducerEndpoint._fx_fail_queued,
         EFFECT_RESET: ProducerEndpoint._fx_reset,
+        EFFECT_COUNT_STRAY_ACK: ProducerEndpoint._fx_count_stray_ack,
     }
 )

@@ -415,15 +415,10 @@ class PrefillWorker(EndpointWorker[Output, RequestFinished, str, ClientEvent]):
             elif isinstance(out, LayerReplied):
                 self._round_trips.append(out.round_trip_s)
             elif isinstance(out, Disconnect):
-                # The endpoint declared a silent peer dead: a fresh DEALER next time.
+                # The endpoint declared the peer dead: a fresh DEALER next time.
                 self._health_step(out.conn, H_LOCAL_DECLARED_DEAD)
                 self._control.disconnect(out.conn)
-                log.warning(
-                    "Decode endpoint %s: nothing heard for %.1f s while it held storage; "
-                    "declaring it dead",
-                    out.conn,
-                    self.config.silent_peer_timeout_s,
-                )
+                log.warning("Decode endpoint %s: %s; declaring it dead", out.conn, out.reason)
             elif isinstance(out, Connect):
                 try:
                     self._control.connect(out.conn)

@@ -642,6 +642,7 @@ EFFECT_FLUSH: Final = "flush"
 EFFECT_FAIL_QUEUED: Final = "fail_queued"
 EFFECT_REFUSED: Final = "refused"  # record the refusal and its backoff, then fail_queued
 EFFECT_RESET: Final = "reset"
+EFFECT_COUNT_STRAY_ACK: Final = "count_stray_ack"  # an ACK with no handshake waiting for it
 
 #: Connection states in which readiness goes out at once.
 CONN_READY: Final = frozenset({CONN_READY_V1, CONN_READY_V2})
@@ -698,6 +699,17 @@ CONNECTION_HANDSHAKE: Final = MachineSpec(
             "dest": CONN_REFUSED,
             "effect": EFFECT_REFUSED,
         },
+        # An ACK that answers no handshake in progress (a duplicate, or one that came after
+        # the handshake timed out) changes nothing: it is counted.
+        *(
+            decl
+            for ack in (C_RECV_ACK_V1, C_RECV_ACK_V2, C_RECV_ACK_REFUSED)
+            for decl in stay(
+                ack,
+                [CONN_IDLE, CONN_READY_V1, CONN_READY_V2, CONN_REFUSED],
+                effect=EFFECT_COUNT_STRAY_ACK,
+            )
+        ),
         {
             "trigger": C_TIMER_HANDSHAKE_EXPIRED,
             "source": CONN_HANDSHAKING,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import msgspec
@@ -16,6 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import rd2h_protocol.consumer as consumer_module
 from rd2h_protocol.consumer import (
     CONSUMER_MACHINES,
     ConsumerConfig,
@@ -34,6 +36,7 @@ from rd2h_protocol.errors import (
     LocalProtocolError,
     TransferError,
 )
+from rd2h_protocol.machines.consumer import DECODE_SESSION, S_RECV_READINESS, SESSION_V2
 from rd2h_protocol.plan import ReadPlan
 from rd2h_protocol.topology import chunk_block_range, map_prefill_rank
 from rd2h_protocol.wire.codec import decode, encode
@@ -1996,3 +1999,28 @@ def test_v1_layout_with_num_blocks_isolates_ids_past_it_with_the_same_code() -> 
         ("r1", ErrorCode.OUT_OF_RANGE)
     ]
     assert replies(finish(ep, outs)) == [ReadDone(layer_idx=0)]  # v1: the plain read_done
+
+
+def test_input_no_table_allows_closes_that_peers_session(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # None reaches this today (the session table is total); plant one: the table forgets
+    # that a ready v2 session may send readiness.
+    decls = tuple(
+        d
+        for d in DECODE_SESSION.transitions
+        if not (d["trigger"] == S_RECV_READINESS and d["source"] == SESSION_V2)
+    )
+    planted = replace(DECODE_SESSION, transitions=decls)
+    monkeypatch.setattr(
+        consumer_module, "_SESSION", planted.bind(consumer_module._SESSION.handlers)
+    )
+    ep = endpoint()
+    send(ep, meta("p0"), peer=b"bad")
+    send(ep, meta("p1"), peer=b"good")
+    assert send(ep, rrb(0, [], seq=0), peer=b"bad") == []
+    assert ep.stats.protocol_errors == 1
+    # Only that peer's session is closed; its next readiness learns it must hand-shake.
+    assert ep.sessions() == {"p1": "ready_v2"} and ep.negotiated(b"bad") is None
+    reply = replies(send(ep, rrb(0, [], seq=1), peer=b"bad"))[0]
+    assert reply.code == ErrorCode.UNKNOWN_SESSION

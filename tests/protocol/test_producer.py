@@ -8,11 +8,13 @@ so every test also exercises the wire.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import msgpack
 import pytest
 
+import rd2h_protocol.producer as producer_module
 from rd2h_protocol.errors import (
     ConfigError,
     ErrorCode,
@@ -21,6 +23,7 @@ from rd2h_protocol.errors import (
     TransferError,
 )
 from rd2h_protocol.events import Chunk
+from rd2h_protocol.machines.producer import C_RECV_ACK_V2, CONN_READY_V2, CONNECTION_HANDSHAKE
 from rd2h_protocol.producer import (
     Connect,
     DecodeTarget,
@@ -1053,7 +1056,8 @@ def test_a_silent_peer_holding_storage_is_declared_dead() -> None:
     assert opened(out) == [] and ep.gates() == {0: ("expired", 1), 1: ("expired", 1)}
     assert ep.get_timer() == 36.0
     out = ep.handle_timer(36.0)
-    assert out[0] == Disconnect(CONN)  # a fresh DEALER next time
+    # A fresh DEALER next time, and the runtime's log says why.
+    assert out[0] == Disconnect(CONN, "nothing heard for 5.0 s while it held storage")
     assert opened(out) == [0, 1]
     assert ep.stats.silent_peers == 1 and ep.stats.connections_lost == 1
     assert ep.is_idle()
@@ -1073,7 +1077,8 @@ def test_a_peer_that_answers_is_not_silent_even_if_it_holds_storage() -> None:
     assert ep.handle_timer(36.0) == []
     assert ep.get_timer() == 39.0  # five seconds after it was last heard
     out = ep.handle_timer(39.0)
-    assert Disconnect(CONN) in out and opened(out) == [2, 3]
+    assert Disconnect(CONN, "nothing heard for 5.0 s while it held storage") in out
+    assert opened(out) == [2, 3]
 
 
 def test_silent_peer_rule_can_be_turned_off() -> None:
@@ -1527,3 +1532,35 @@ def test_terminal_reply_reports_round_trip_from_send_to_reply() -> None:
     assert [r.round_trip_s for r in replied] == pytest.approx([0.25, 3.0])
     # a duplicate reply is not a round trip
     assert not [o for o in ep.receive(CONN, done(msgs[0]), 5.0) if isinstance(o, LayerReplied)]
+
+
+def test_an_ack_no_handshake_waits_for_is_counted_by_the_table() -> None:
+    ep = endpoint(1)
+    one_request_ready(ep)
+    before = snapshot(ep)
+    for ack in (ack_v2(), ACK_V1_FRAME):
+        assert ep.receive(CONN, ack, 2.0) == []  # a duplicate: the handshake is over
+    assert ep.stats.dropped == 2 and ep.stats.protocol_violations == 0
+    assert snapshot(ep) == before
+
+
+def test_input_no_table_allows_declares_the_peer_dead(monkeypatch: pytest.MonkeyPatch) -> None:
+    # None reaches this today; plant one: the table forgets that a ready connection may
+    # get a stray ACK.
+    decls = tuple(
+        d
+        for d in CONNECTION_HANDSHAKE.transitions
+        if not (d["trigger"] == C_RECV_ACK_V2 and d["source"] == CONN_READY_V2)
+    )
+    planted = replace(CONNECTION_HANDSHAKE, transitions=decls)
+    monkeypatch.setattr(producer_module, "_CONN", planted.bind(producer_module._CONN.handlers))
+    ep = endpoint(1)
+    one_request_ready(ep)
+    out = ep.receive(CONN, ack_v2(), 2.0)
+    assert out[0] == Disconnect(
+        CONN,
+        "protocol violation: connection handshake: input RECV_ACK_V2 is not allowed in "
+        "state ready_v2",
+    )
+    assert ep.stats.protocol_violations == 1 and ep.stats.connections_lost == 1
+    assert finished(out)["r1"].code == ErrorCode.CONNECTION_LOST
