@@ -662,7 +662,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="rd2h check-read",
         description="Two-endpoint read check of a transfer backend (real bytes, verified).",
     )
-    parser.add_argument("--backend", required=True, help="loopback, nixl, mooncake or memfabric")
+    parser.add_argument(
+        "--backend", required=True, help="loopback, cma, nixl, mooncake or memfabric"
+    )
     parser.add_argument("--role", choices=("prefill", "decode"), help="omit to run both here")
     parser.add_argument("--host", default="127.0.0.1", help="Prefill's control/engine address")
     parser.add_argument("--port", type=int, default=0, help="Prefill's control port (0: pick)")

@@ -28,7 +28,7 @@ from rd2h_protocol.errors import ProtocolError
 from rd2h_runtime.tools.engines import DecodeResult, DecodeSpec, EngineProcess, PrefillSpec
 from rd2h_runtime.tools.synthetic import RequestSpec, SyntheticModel, chunk_steps
 
-BACKENDS = ("nixl", "mooncake", "memfabric")
+BACKENDS = ("nixl", "mooncake", "memfabric", "cma")
 MIB = 1 << 20
 
 

@@ -28,7 +28,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("backend", ["nixl", "mooncake"])
+@pytest.mark.parametrize("backend", ["nixl", "mooncake", "cma"])
 def test_demo_moves_and_verifies_every_request(backend: str) -> None:
     proc = run_cli(*SMALL, "--backend", backend, "--json")
     assert proc.returncode == 0, proc.stdout + proc.stderr
