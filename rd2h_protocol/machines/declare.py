@@ -90,7 +90,7 @@ class MachineSpec:
                 table[key] = (decl.get("effect", NO_EFFECT), dest)
         object.__setattr__(self, "table", table)
         if self.guards:
-            named = self._condition_names()
+            named = self.guard_names()
             missing = [g for g in named if g not in self.guards]
             if missing:
                 raise ValueError(f"{self.name}: guards {missing} are not declared")
@@ -108,7 +108,13 @@ class MachineSpec:
         try:
             return self.table[(state, event)]
         except KeyError:
-            raise error(f"{self.name}: input {event} is not allowed in state {state}") from None
+            raise self.refusal(state, event, error) from None
+
+    def refusal(
+        self, state: str, event: str, error: type[ProtocolError] = LocalProtocolError
+    ) -> ProtocolError:
+        """The error for a pair the table does not allow (what ``step`` and ``fire`` raise)."""
+        return error(f"{self.name}: input {event} is not allowed in state {state}")
 
     @property
     def effects(self) -> frozenset[str]:
@@ -133,9 +139,6 @@ class MachineSpec:
 
     def guard_names(self) -> list[str]:
         """Every guard (``conditions`` name) the declaration uses, sorted."""
-        return self._condition_names()
-
-    def _condition_names(self) -> list[str]:
         return sorted({c for d in self.transitions for c in _as_list(d.get("conditions", []))})
 
     def build_machine(self, model: Any = None, **kwargs: Any) -> Any:
@@ -147,7 +150,7 @@ class MachineSpec:
         from transitions import Machine
 
         if model is None:
-            model = _GuardModel(self._condition_names())
+            model = _GuardModel(self.guard_names())
         decls = [
             {k: v for k, v in d.items() if k in ("trigger", "source", "dest", "conditions")}
             for d in self.transitions
@@ -200,9 +203,7 @@ class BoundMachine:
         try:
             handler, record.state = self._dispatch[(record.state, event)]
         except KeyError:
-            raise error(
-                f"{self.spec.name}: input {event} is not allowed in state {record.state}"
-            ) from None
+            raise self.spec.refusal(record.state, event, error) from None
         return handler(owner, record, *args)
 
     def react(
@@ -220,9 +221,7 @@ class BoundMachine:
         try:
             handler, dest = self._dispatch[(state, event)]
         except KeyError:
-            raise error(
-                f"{self.spec.name}: input {event} is not allowed in state {state}"
-            ) from None
+            raise self.spec.refusal(state, event, error) from None
         if dest != state:
             raise ValueError(f"{self.spec.name}: {event} leaves {state}; use fire")
         return handler(owner, record, *args)
