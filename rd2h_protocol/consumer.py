@@ -68,7 +68,7 @@ import functools
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Annotated, Any, Final, Literal, TypeAlias
+from typing import Annotated, Any, Final, TypeAlias
 
 import msgspec
 
@@ -805,10 +805,9 @@ class ConsumerEndpoint:
         session = self._session_of(peer)
         if session is None:
             return None
-        if session.state == SESSION_V2:
-            return ConnectionView(session.name, session.state, "v2", session.caps)
-        protocol: Literal["v1"] | None = "v1" if session.state == SESSION_V1 else None
-        return ConnectionView(session.name, session.state, protocol, frozenset())
+        return ConnectionView.of(
+            session.name, session.state, session.caps, v2_state=SESSION_V2, v1_state=SESSION_V1
+        )
 
     def session_of_peer(self, peer: bytes) -> str | None:
         """The name of the Prefill session ``peer`` hand-shook for, if any (for logs)."""

@@ -254,3 +254,13 @@ class ConnectionView:
     state: str
     protocol: Literal["v1", "v2"] | None
     capabilities: frozenset[str]
+
+    @classmethod
+    def of(
+        cls, name: str, state: str, capabilities: frozenset[str], *, v2_state: str, v1_state: str
+    ) -> ConnectionView:
+        """The view of a peer whose machine is in ``state``: v2 (with its capabilities) in
+        ``v2_state``, v1 in ``v1_state``, undecided otherwise."""
+        if state == v2_state:
+            return cls(name, state, "v2", capabilities)
+        return cls(name, state, "v1" if state == v1_state else None, frozenset())

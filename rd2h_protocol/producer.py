@@ -887,10 +887,9 @@ class ProducerEndpoint:
         c = self._conns.get(conn)
         if c is None:
             raise LocalProtocolError(f"connection {conn!r} is not a Decode endpoint of ours")
-        if c.state == CONN_READY_V2:
-            return ConnectionView(c.name, c.state, "v2", c.caps)
-        protocol: Literal["v1"] | None = "v1" if c.state == CONN_READY_V1 else None
-        return ConnectionView(c.name, c.state, protocol, frozenset())
+        return ConnectionView.of(
+            c.name, c.state, c.caps, v2_state=CONN_READY_V2, v1_state=CONN_READY_V1
+        )
 
     def is_idle(self) -> bool:
         """True when no per-request state is left (no request, publication or chunk)."""
