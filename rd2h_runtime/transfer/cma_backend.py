@@ -101,21 +101,23 @@ class CmaBackend(TransferBackend):
         self._boot = _boot_id()
         self._pid = os.getpid()
         self._start = _start_time(self._pid)
-        self._peers: dict[str, tuple[int, RegionSet]] = {}
+        self._peers: dict[str, tuple[int, str, RegionSet]] = {}  # pid, start time, regions
         if self.role == "prefill" and _ptrace_scope() == 1:
             # Let Decode, not our parent, read us (see the module docstring).
             self._libc.prctl(_PR_SET_PTRACER, ctypes.c_ulong(_PR_SET_PTRACER_ANY), 0, 0, 0)
 
     @property
     def session_id(self) -> str:
-        regions = ",".join(f"{addr:x}+{length:x}" for addr, length in self._local.regions)
-        return f"{_PREFIX}{self._boot}:{self._pid}:{self._start}:{regions}"
+        return self._session_naming(self._local)
+
+    def _session_naming(self, regions: RegionSet) -> str:
+        listed = ",".join(f"{addr:x}+{length:x}" for addr, length in regions.regions)
+        return f"{_PREFIX}{self._boot}:{self._pid}:{self._start}:{listed}"
 
     def _register(self, regions: list[tuple[int, int]]) -> None:
         every = RegionSet(self._local.regions)
         every.add(regions)
-        listed = ",".join(f"{addr:x}+{length:x}" for addr, length in every.regions)
-        size = len(f"{_PREFIX}{self._boot}:{self._pid}:{self._start}:{listed}")
+        size = len(self._session_naming(every))
         if size > _MAX_SESSION_LEN:
             raise TransferError(
                 f"cma: {len(every)} separate registered regions do not fit a session id "
@@ -133,17 +135,17 @@ class CmaBackend(TransferBackend):
         if known is None:
             known = self._parse(session)
             self._peers[session] = known
-        pid = known[0]
-        if _start_time(pid) != session.split(":")[3]:
+        pid, start, regions = known
+        if _start_time(pid) != start:
             self._peers.pop(session, None)
             raise TransferError(f"cma session {session[:60]!r}...: process {pid} is gone")
-        return known
+        return pid, regions
 
-    def _parse(self, session: str) -> tuple[int, RegionSet]:
+    def _parse(self, session: str) -> tuple[int, str, RegionSet]:
         fields = session.split(":")
         if len(fields) != 5 or not session.startswith(_PREFIX):
             raise TransferError(f"not a cma session id: {session[:80]!r}")
-        _, boot, pid_text, _, listed = fields
+        _, boot, pid_text, start, listed = fields
         if boot != self._boot:
             raise TransferError(
                 f"cma session of pid {pid_text} is from another host or boot ({boot}, ours "
@@ -157,7 +159,7 @@ class CmaBackend(TransferBackend):
             ]
         except ValueError:
             raise TransferError(f"malformed cma session id: {session[:80]!r}") from None
-        return pid, RegionSet(regions)
+        return pid, start, RegionSet(regions)
 
     def _read(
         self, session: str, remote: U64Array, local: U64Array, lengths: U64Array, deadline: float
