@@ -446,7 +446,8 @@ class PrefillWorker(EndpointWorker[Output, RequestFinished, str, ClientEvent]):
         return due
 
     def _health_step(self, conn: str, event: str) -> tuple[str, _Health]:
-        """Step ``conn``'s :data:`DECODE_CONNECTION_HEALTH`; return the effect. Lock held."""
+        """Step ``conn``'s :data:`DECODE_CONNECTION_HEALTH`; return the effect and the
+        connection's record. Lock held."""
         health = self._health.setdefault(conn, _Health())
         effect, health.state = DECODE_CONNECTION_HEALTH.step(health.state, event)
         return effect, health
