@@ -36,7 +36,7 @@ def test_a_post_after_the_dispatch_started_is_refused_by_the_table() -> None:
 
 @pytest.fixture
 def recording(monkeypatch: pytest.MonkeyPatch) -> Recording:
-    return record(monkeypatch, registry, "PROXY_REQUEST")
+    return record(monkeypatch, registry, "_PROXY_REQUEST")
 
 
 def _phase_after(rec: Recording) -> str:

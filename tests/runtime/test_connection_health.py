@@ -8,11 +8,11 @@ import typing
 import pytest
 from worker_pair import HOST, RecordingBackend, closing, prefill_worker
 
+from rd2h_protocol.machines import NO_EFFECT
 from rd2h_protocol.producer import DecodeTarget
 from rd2h_runtime import prefill
 from rd2h_runtime.connection_health import (
     DECODE_CONNECTION_HEALTH,
-    EFFECT_NONE,
     H_LOCAL_CONNECT_FAILED,
     H_RECV_BREAK_UNWATCHED,
     H_RECV_CONNECTED,
@@ -46,13 +46,13 @@ def test_every_monitor_event_kind_has_a_row_in_every_state() -> None:
             DECODE_CONNECTION_HEALTH.step(state, event)  # never raises
     # Breaks of a connection nobody watches change nothing.
     for state in DECODE_CONNECTION_HEALTH.states:
-        assert DECODE_CONNECTION_HEALTH.step(state, H_RECV_BREAK_UNWATCHED) == (EFFECT_NONE, state)
+        assert DECODE_CONNECTION_HEALTH.step(state, H_RECV_BREAK_UNWATCHED) == (NO_EFFECT, state)
 
 
 def test_a_break_resumes_within_the_grace_and_is_lost_after_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    rec = record(monkeypatch, prefill, "DECODE_CONNECTION_HEALTH")
+    rec = record(monkeypatch, prefill, "_HEALTH")
     worker = prefill_worker(
         RecordingBackend(role="prefill"), 16, ControlOptions(reconnect_grace_s=GRACE_S)
     )

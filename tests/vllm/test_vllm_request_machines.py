@@ -184,8 +184,8 @@ def test_a_request_moves_and_both_halves_step_their_machines(
     halves: Halves, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     prefill, decode, p_caches, d_caches = halves
-    sends = record(monkeypatch, prefill_mod, "VLLM_SEND")
-    loads = record(monkeypatch, decode_mod, "VLLM_LOAD")
+    sends = record(monkeypatch, prefill_mod, "_SEND")
+    loads = record(monkeypatch, decode_mod, "_LOAD")
     src, dst = [1, 2], [5, 6]
     # Decode learns the destinations, then Prefill computes and publishes every layer.
     decode.bind(Rd2hConnectorMetadata(loads=[_load("a", dst)]))
@@ -208,8 +208,8 @@ def test_a_failed_load_and_an_early_finish_abort(
     halves: Halves, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     prefill, decode, _, _ = halves
-    sends = record(monkeypatch, prefill_mod, "VLLM_SEND")
-    loads = record(monkeypatch, decode_mod, "VLLM_LOAD")
+    sends = record(monkeypatch, prefill_mod, "_SEND")
+    loads = record(monkeypatch, decode_mod, "_LOAD")
     # Decode: the rendezvous failed after the load was registered: aborted in the endpoint.
     decode.bind(Rd2hConnectorMetadata(loads=[_load("b", [3])]))
     failure = LoadFailure(req_id="b", ext_id="ext-b", code=int(ErrorCode.ABORTED), message="x")
