@@ -23,9 +23,10 @@ of a connection nobody watches is the explicit ``RECV_BREAK_UNWATCHED`` self-tra
 it is counted and changes nothing. Every monitor event kind has a row in every state, so
 no kind can fail requests by falling through a default branch.
 
-The worker resolves the guard (watched or not), performs the named effects (log lines,
-metrics, the endpoint calls, the grace timer) and keeps the grace deadline; every rule
-that changes a connection's health is in the table below.
+The worker resolves the guard (watched or not) and keeps the grace deadline; each named
+effect is bound to the worker's handler for it (log lines, metrics, the endpoint calls,
+the grace timer), and firing the bound machine runs it. Every rule that changes a
+connection's health is in the table below.
 """
 
 from __future__ import annotations
@@ -46,7 +47,6 @@ H_RECV_BREAK_UNWATCHED: Final = "RECV_BREAK_UNWATCHED"
 H_TIMER_GRACE_OVER: Final = "TIMER_GRACE_OVER"
 H_LOCAL_DECLARED_DEAD: Final = "LOCAL_DECLARED_DEAD"
 
-EFFECT_NONE: Final = "none"
 EFFECT_START_GRACE: Final = "start_grace"  # log, note the deadline, arm the timer
 EFFECT_RESUME: Final = "resume"  # count a reconnect, log, endpoint.connection_resumed
 EFFECT_LOSE: Final = "lose"  # log, replace the DEALER, endpoint.connection_lost
@@ -114,7 +114,6 @@ RUNTIME_MACHINES: Final[tuple[MachineSpec, ...]] = (DECODE_CONNECTION_HEALTH,)
 __all__ = [
     "DECODE_CONNECTION_HEALTH",
     "EFFECT_LOSE",
-    "EFFECT_NONE",
     "EFFECT_RESUME",
     "EFFECT_START_GRACE",
     "HEALTH_BROKEN",

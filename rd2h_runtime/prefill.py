@@ -39,6 +39,7 @@ from typing import Final
 
 from rd2h_protocol.errors import ConfigError, LocalProtocolError
 from rd2h_protocol.events import Chunk
+from rd2h_protocol.machines import NO_EFFECT, no_effect
 from rd2h_protocol.producer import (
     Connect,
     DecodeTarget,
@@ -123,6 +124,7 @@ def layout_regions(layers: Iterable[tuple[str, LayerLayout]]) -> list[tuple[int,
 class _Health:
     """One Decode connection's :data:`DECODE_CONNECTION_HEALTH` state (lock held)."""
 
+    conn: str
     state: str = HEALTH_UP
     broke_at: float = 0.0  # when it last entered HEALTH_BROKEN
 
@@ -416,7 +418,7 @@ class PrefillWorker(EndpointWorker[Output, RequestFinished, str, ClientEvent]):
                 self._round_trips.append(out.round_trip_s)
             elif isinstance(out, Disconnect):
                 # The endpoint declared the peer dead: a fresh DEALER next time.
-                self._health_step(out.conn, H_LOCAL_DECLARED_DEAD)
+                _HEALTH.fire(self, self._health_of(out.conn), H_LOCAL_DECLARED_DEAD)
                 self._control.disconnect(out.conn)
                 log.warning("Decode endpoint %s: %s; declaring it dead", out.conn, out.reason)
             elif isinstance(out, Connect):
@@ -445,12 +447,12 @@ class PrefillWorker(EndpointWorker[Output, RequestFinished, str, ClientEvent]):
             due = grace_end if due is None else min(due, grace_end)
         return due
 
-    def _health_step(self, conn: str, event: str) -> tuple[str, _Health]:
-        """Step ``conn``'s :data:`DECODE_CONNECTION_HEALTH`; return the effect and the
-        connection's record. Lock held."""
-        health = self._health.setdefault(conn, _Health())
-        effect, health.state = DECODE_CONNECTION_HEALTH.step(health.state, event)
-        return effect, health
+    def _health_of(self, conn: str) -> _Health:
+        """``conn``'s :data:`DECODE_CONNECTION_HEALTH` record, ``up`` when new. Lock held."""
+        health = self._health.get(conn)
+        if health is None:
+            health = self._health[conn] = _Health(conn)
+        return health
 
     def _connection_event(self, event: ConnectionEvent[str], now: float) -> list[RequestFinished]:
         """A Decode connection came up, broke, or could not be made. Lock held.
@@ -465,45 +467,59 @@ class PrefillWorker(EndpointWorker[Output, RequestFinished, str, ClientEvent]):
             self.metrics.disconnects += 1
             if not self._declare_dead or conn not in self._endpoint.connections():
                 health_input = H_RECV_BREAK_UNWATCHED
-        effect, health = self._health_step(conn, health_input)
-        if effect == EFFECT_RESUME:
-            self.metrics.reconnects += 1
-            log.info(
-                "Decode endpoint %s: connection back after %.1f s", conn, now - health.broke_at
-            )
-            # What was in flight may have gone down with the old connection.
-            return self._execute(
-                self._traced(
-                    lambda t: self._endpoint.connection_resumed(conn, t),
-                    now,
-                    "connection_resumed",
-                    {"conn": conn},
-                )
-            )
-        if effect == EFFECT_START_GRACE:
-            log.warning(
-                "Decode endpoint %s: connection %s; waiting %.1f s for it to come back",
-                conn,
-                event.kind,
-                self._grace_s,
-            )
-            health.broke_at = now
-            self._control.set_timer(self._next_timer())
-        elif effect == EFFECT_LOSE:
-            return self._connection_lost(conn, f"cannot be opened ({event.address})", now)
-        return []
+        what = (
+            f"cannot be opened ({event.address})" if event.kind == "connect_failed" else event.kind
+        )
+        finished: list[RequestFinished] = []
+        _HEALTH.fire(self, self._health_of(conn), health_input, now, what, finished)
+        return finished
 
     def _grace_over(self, now: float) -> list[RequestFinished]:
         """Declare lost every broken connection whose grace ran out. Lock held."""
         finished: list[RequestFinished] = []
-        for conn, health in list(self._health.items()):
-            if health.state != HEALTH_BROKEN or health.broke_at + self._grace_s > now:
-                continue
-            effect, _ = self._health_step(conn, H_TIMER_GRACE_OVER)
-            if effect == EFFECT_LOSE:
-                reason = f"broken and not back within {self._grace_s:.1f} s"
-                finished += self._connection_lost(conn, reason, now)
+        what = f"broken and not back within {self._grace_s:.1f} s"
+        for health in list(self._health.values()):
+            if health.state == HEALTH_BROKEN and health.broke_at + self._grace_s <= now:
+                _HEALTH.fire(self, health, H_TIMER_GRACE_OVER, now, what, finished)
         return finished
+
+    # -- the effects of DECODE_CONNECTION_HEALTH (``what``: what happened to it) -----------
+
+    def _fx_resume(
+        self, health: _Health, now: float, _what: str, finished: list[RequestFinished]
+    ) -> None:
+        """The broken connection came back within its grace."""
+        conn = health.conn
+        self.metrics.reconnects += 1
+        log.info("Decode endpoint %s: connection back after %.1f s", conn, now - health.broke_at)
+        # What was in flight may have gone down with the old connection.
+        finished += self._execute(
+            self._traced(
+                lambda t: self._endpoint.connection_resumed(conn, t),
+                now,
+                "connection_resumed",
+                {"conn": conn},
+            )
+        )
+
+    def _fx_start_grace(
+        self, health: _Health, now: float, what: str, _finished: list[RequestFinished]
+    ) -> None:
+        """A watched connection broke: it has ``reconnect_grace_s`` to come back."""
+        log.warning(
+            "Decode endpoint %s: connection %s; waiting %.1f s for it to come back",
+            health.conn,
+            what,
+            self._grace_s,
+        )
+        health.broke_at = now
+        self._control.set_timer(self._next_timer())
+
+    def _fx_lose(
+        self, health: _Health, now: float, what: str, finished: list[RequestFinished]
+    ) -> None:
+        """The connection is lost: past its grace, or its DEALER cannot be created."""
+        finished += self._connection_lost(health.conn, what, now)
 
     def _connection_lost(self, conn: str, reason: str, now: float) -> list[RequestFinished]:
         """A Decode connection is gone for good (peer dead or unreachable). Lock held.
@@ -544,3 +560,15 @@ class PrefillWorker(EndpointWorker[Output, RequestFinished, str, ClientEvent]):
         elif isinstance(event, ConnectionEvent):
             finished = self._connection_event(event, now)
         return finished
+
+
+# -- the table drives the action: each declared effect bound to its handler ----------------
+
+_HEALTH: Final = DECODE_CONNECTION_HEALTH.bind(
+    {
+        NO_EFFECT: no_effect,
+        EFFECT_RESUME: PrefillWorker._fx_resume,
+        EFFECT_START_GRACE: PrefillWorker._fx_start_grace,
+        EFFECT_LOSE: PrefillWorker._fx_lose,
+    }
+)

@@ -4,8 +4,8 @@ Theory of operation
 -------------------
 :mod:`rd2h_vllm.worker` tracks every request vLLM hands the connector between the
 endpoint (which moves the KV) and vLLM (which owns the blocks). Two machines hold every
-rule that changes that tracking; the worker resolves the guards and performs the named
-effects.
+rule that changes that tracking; the worker resolves the guards and binds each named
+effect to its handler.
 
 * **vLLM send** (Prefill, one per request with a ``SendSpec``): ``publishing`` once the
   endpoint accepted it (``unpublished`` when it refused: Prefill computes it anyway and
@@ -53,7 +53,6 @@ S_LOCAL_BAD_CHUNK: Final = "LOCAL_BAD_CHUNK"
 S_LOCAL_VLLM_FINISHED: Final = "LOCAL_VLLM_FINISHED"
 S_RECV_FINISHED: Final = "RECV_FINISHED"
 
-EFFECT_NONE: Final = "none"
 EFFECT_SCHEDULE: Final = "schedule"  # schedule the chunk in the endpoint
 EFFECT_ABORT: Final = "abort"  # abort it in the endpoint (toward its Decode)
 

@@ -2,7 +2,7 @@
 
 Each test module of machines (the protocol's and the bindings') takes its two table tests
 from :func:`table_tests`; :func:`machine_step` / :func:`table_step` answer for one pair;
-the bindings check that their code steps the machines with :func:`record`.
+the bindings check that their code fires the machines with :func:`record`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 from transitions.core import MachineError
 
 from rd2h_protocol.errors import LocalProtocolError
-from rd2h_protocol.machines import MachineSpec
+from rd2h_protocol.machines import BoundMachine, MachineSpec
 
 
 def pairs(machines: Sequence[MachineSpec]) -> Any:
@@ -94,23 +94,23 @@ def check_well_formed(spec: MachineSpec) -> None:
 
 
 class Recording:
-    """Stands in for a MachineSpec (monkeypatched where the code under test looks it up)
-    and records every (state, input) the code steps it with."""
+    """Stands in for a BoundMachine (monkeypatched where the code under test looks it up)
+    and records every (state, input) the code fires it with, before it fires."""
 
-    def __init__(self, spec: MachineSpec) -> None:
-        self.spec = spec
+    def __init__(self, bound: BoundMachine) -> None:
+        self.bound = bound
         self.steps: list[tuple[str, str]] = []
 
-    def step(self, state: str, event: str, *args: Any) -> tuple[str, str]:
-        self.steps.append((state, event))
-        return self.spec.step(state, event, *args)
+    def fire(self, owner: Any, rec: Any, event: str, *args: Any, **kwargs: Any) -> Any:
+        self.steps.append((rec.state, event))
+        return self.bound.fire(owner, rec, event, *args, **kwargs)
 
     def inputs(self) -> list[str]:
         return [event for _, event in self.steps]
 
 
 def record(monkeypatch: pytest.MonkeyPatch, module: Any, name: str) -> Recording:
-    """Replace ``module.name`` (a MachineSpec) with a :class:`Recording` of it."""
+    """Replace ``module.name`` (a BoundMachine) with a :class:`Recording` of it."""
     rec = Recording(getattr(module, name))
     monkeypatch.setattr(module, name, rec)
     return rec

@@ -8,8 +8,8 @@ post completing the set started the one Prefill dispatch) -> ``dispatched`` (Pre
 answered success), or ``failed`` (the rendezvous did not arrive in time, or the dispatch
 failed). The first failure wins: a later one changes nothing. A post for a failed parent
 is refused (410). :class:`~rd2h_runtime.proxy.registry.Registry` resolves the guards
-(whether a post completes the set) and performs the named effects; this module holds
-every rule that changes a parent's phase.
+(whether a post completes the set) and binds each named effect to its handler; this
+module holds every rule that changes a parent's phase.
 
 Whether the client exchange is still open and whether a dispatch task still runs are not
 phases: they decide only when the parent is removed (see the registry).
@@ -35,7 +35,6 @@ P_TIMER_RENDEZVOUS_EXPIRED: Final = "TIMER_RENDEZVOUS_EXPIRED"
 P_RECV_DISPATCH_OK: Final = "RECV_DISPATCH_OK"
 P_RECV_DISPATCH_FAILED: Final = "RECV_DISPATCH_FAILED"
 
-EFFECT_NONE: Final = "none"
 EFFECT_RECORD: Final = "record"  # keep the child's rendezvous params
 EFFECT_DISPATCH: Final = "dispatch"  # record it and start the one Prefill dispatch
 EFFECT_REFUSE: Final = "refuse"  # 410: the parent is over
@@ -90,7 +89,6 @@ PROXY_MACHINES: Final[tuple[MachineSpec, ...]] = (PROXY_REQUEST,)
 __all__ = [
     "EFFECT_DISPATCH",
     "EFFECT_FAIL",
-    "EFFECT_NONE",
     "EFFECT_RECORD",
     "EFFECT_REFUSE",
     "PHASE_DISPATCHED",

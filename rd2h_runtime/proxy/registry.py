@@ -16,8 +16,9 @@ Decode or Prefill. When both are over the parent is removed: nothing stays behin
 
 A parent fails once (Prefill answered an error, timed out, or the rendezvous did not
 arrive in time); the client handler waits on :attr:`Parent.failed` to stop the Decode
-exchange early. A parent's phase changes only by stepping the declared
-:data:`~rd2h_runtime.proxy.phases.PROXY_REQUEST` machine.
+exchange early. A parent's phase changes only by firing the declared
+:data:`~rd2h_runtime.proxy.phases.PROXY_REQUEST` machine, whose effects are bound to the
+registry's ``_fx_*`` handlers at the bottom of this module.
 """
 
 from __future__ import annotations
@@ -26,10 +27,13 @@ import asyncio
 import enum
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final, NoReturn
 
+from rd2h_protocol.machines import NO_EFFECT, no_effect
 from rd2h_runtime.proxy.phases import (
+    EFFECT_DISPATCH,
     EFFECT_FAIL,
+    EFFECT_RECORD,
     EFFECT_REFUSE,
     P_RECV_DISPATCH_OK,
     P_RECV_LAST_POST,
@@ -74,7 +78,7 @@ class Parent:
     children: tuple[str, ...]
     opened_at: float
     posted: dict[str, dict[str, Any]] = field(default_factory=dict)
-    phase: str = PHASE_WAITING  # a state of PROXY_REQUEST
+    state: str = PHASE_WAITING  # its phase: a state of PROXY_REQUEST
     client_open: bool = True
     dispatch_running: bool = False
     failure: tuple[int, str] | None = None
@@ -149,38 +153,20 @@ class Registry:
                     f"a different rendezvous for {child_id!r} was already recorded", 409
                 )
             return parent, Outcome.DUPLICATE
-        last = len(parent.posted) + 1 == len(parent.children)
-        effect = EFFECT_REFUSE  # a parent whose client has gone takes no post
-        if parent.client_open:
-            effect, parent.phase = PROXY_REQUEST.step(
-                parent.phase, P_RECV_LAST_POST if last else P_RECV_POST
-            )
-        if effect == EFFECT_REFUSE:
-            why = parent.failure[1] if parent.failure else "its client request has ended"
-            raise RendezvousRefused(f"request {parent.parent_id!r} is over: {why}", 410)
-        parent.posted[child_id] = params
-        if not last:
-            return parent, Outcome.RECORDED
-        # The post completing the set: the one and only place a dispatch is started.
-        parent.dispatch_running = True
-        if parent.timer is not None:
-            parent.timer.cancel()
-            parent.timer = None
-        return parent, Outcome.READY
+        if not parent.client_open:  # a parent whose client has gone takes no post
+            self._fx_refuse(parent, child_id, params)
+        event = P_RECV_LAST_POST if len(parent.posted) + 1 == len(parent.children) else P_RECV_POST
+        return parent, _PROXY_REQUEST.fire(self, parent, event, child_id, params)
 
     def fail(self, parent: Parent, event: str, status: int, message: str) -> bool:
-        """Step ``parent`` with a failure input (``P_TIMER_RENDEZVOUS_EXPIRED`` or
-        ``P_RECV_DISPATCH_FAILED``); True if this call failed it (the first failure wins)."""
-        effect, parent.phase = PROXY_REQUEST.step(parent.phase, event)
-        if effect != EFFECT_FAIL:
-            return False
-        parent.failure = (status, message)
-        parent.failed.set()
-        return True
+        """Fire ``parent`` with a failure input (``P_TIMER_RENDEZVOUS_EXPIRED`` or
+        ``P_RECV_DISPATCH_FAILED``); True if this call failed it (the first failure wins:
+        only :meth:`_fx_fail` answers)."""
+        return bool(_PROXY_REQUEST.fire(self, parent, event, status, message))
 
     def dispatch_succeeded(self, parent: Parent) -> None:
         """Prefill accepted the dispatch."""
-        _, parent.phase = PROXY_REQUEST.step(parent.phase, P_RECV_DISPATCH_OK)
+        _PROXY_REQUEST.fire(self, parent, P_RECV_DISPATCH_OK)
 
     def finish_dispatch(self, parent: Parent) -> None:
         """The dispatch task is over (either way); remove the parent if its client is gone."""
@@ -203,3 +189,43 @@ class Registry:
         for child in parent.children:
             if self._by_child.get(child) is parent:
                 del self._by_child[child]
+
+    # -- the effects of PROXY_REQUEST ------------------------------------------------------
+
+    def _fx_record(self, parent: Parent, child_id: str, params: dict[str, Any]) -> Outcome:
+        """Keep a child's rendezvous; others are still missing."""
+        parent.posted[child_id] = params
+        return Outcome.RECORDED
+
+    def _fx_dispatch(self, parent: Parent, child_id: str, params: dict[str, Any]) -> Outcome:
+        """Keep the post completing the set: the one and only place a dispatch is started."""
+        parent.posted[child_id] = params
+        parent.dispatch_running = True
+        if parent.timer is not None:
+            parent.timer.cancel()
+            parent.timer = None
+        return Outcome.READY
+
+    def _fx_refuse(self, parent: Parent, _child_id: str, _params: dict[str, Any]) -> NoReturn:
+        """410: the parent is over (it failed, or its client has gone)."""
+        why = parent.failure[1] if parent.failure else "its client request has ended"
+        raise RendezvousRefused(f"request {parent.parent_id!r} is over: {why}", 410)
+
+    def _fx_fail(self, parent: Parent, status: int, message: str) -> bool:
+        """Keep the first failure and wake the client handler."""
+        parent.failure = (status, message)
+        parent.failed.set()
+        return True
+
+
+# -- the table drives the action: each declared effect bound to its handler ----------------
+
+_PROXY_REQUEST: Final = PROXY_REQUEST.bind(
+    {
+        NO_EFFECT: no_effect,
+        EFFECT_RECORD: Registry._fx_record,
+        EFFECT_DISPATCH: Registry._fx_dispatch,
+        EFFECT_REFUSE: Registry._fx_refuse,
+        EFFECT_FAIL: Registry._fx_fail,
+    }
+)

@@ -47,8 +47,9 @@ in ``failed_recving`` and, when the model has one KV-cache group, its main and i
 blocks in ``get_block_ids_with_load_errors`` (vLLM 0.32 refuses block-level errors with
 several groups: there the request-level ``failed_recving`` is the report).
 
-What each half tracks per request changes only by stepping the ``vLLM send`` and ``vLLM
-load`` machines declared in :mod:`rd2h_vllm.request_machines`.
+What each half tracks per request changes only by firing the ``vLLM send`` and ``vLLM
+load`` machines declared in :mod:`rd2h_vllm.request_machines`, whose effects each half
+binds to its handlers.
 
 Modules: :mod:`~rd2h_vllm.worker.prefill` (:class:`PrefillSide`),
 :mod:`~rd2h_vllm.worker.decode` (:class:`DecodeSide`) and :mod:`~rd2h_vllm.worker.common`

@@ -7,7 +7,7 @@ import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Final
 
 from rd2h_protocol.completion import CrossRankCompletion, RankReport
 from rd2h_protocol.consumer import ConsumerConfig
@@ -15,6 +15,7 @@ from rd2h_protocol.errors import (
     ErrorCode,
     ProtocolError,
 )
+from rd2h_protocol.machines import NO_EFFECT, no_effect
 from rd2h_runtime.control import ControlOptions
 from rd2h_runtime.decode import DecodeWorker, Outcome, ReadRecord
 from rd2h_runtime.transfer import TransferBackend
@@ -40,10 +41,6 @@ from rd2h_vllm.request_machines import (
     VLLM_LOAD,
 )
 from rd2h_vllm.scheduler import CacheGroups, LoadSpec, Rd2hConnectorMetadata
-
-if TYPE_CHECKING:
-    pass
-
 from rd2h_vllm.worker.common import (
     TpGroup,
 )
@@ -56,13 +53,8 @@ class _Load:
     """One Decode request as the worker side tracks it."""
 
     spec: LoadSpec
-    state: str = LOAD_NEW  # of VLLM_LOAD, changed only by step()
+    state: str = LOAD_NEW  # of VLLM_LOAD, changed only by firing _LOAD
     failed: bool = False  # the completion rule's verdict: it failed on some rank
-
-    def step(self, event: str) -> str:
-        """Step :data:`VLLM_LOAD`; return the effect."""
-        effect, self.state = VLLM_LOAD.step(self.state, event)
-        return effect
 
 
 class DecodeSide:
@@ -141,7 +133,7 @@ class DecodeSide:
         for failure in meta.load_failures:
             load = self._loads.get(failure.req_id)
             if load is not None:
-                self._fail(load, failure.message)
+                _LOAD.fire(self, load, L_LOCAL_FAIL, failure.message)
 
     def _add(self, spec: LoadSpec, now: float) -> None:
         indexer = spec.indexer_block_ids if spec.indexer_block_ids is not None else []
@@ -160,22 +152,15 @@ class DecodeSide:
             )
             self.stats.record_failure(ErrorCode.UNKNOWN_REQUEST)
             load.failed = True
-            load.step(L_LOCAL_DUPLICATE)
+            _LOAD.fire(self, load, L_LOCAL_DUPLICATE)
             return
         self._by_ext[spec.ext_id] = spec.req_id
         try:
             self.worker.add_request(spec.ext_id, spec.main_block_ids, indexer)
         except ProtocolError as exc:
-            if load.step(L_LOCAL_ADD_FAILED) == EFFECT_REPORT_LOCAL:
-                with self._lock:
-                    self._outcomes.append(Outcome(spec.ext_id, False, exc.code, exc.message))
+            _LOAD.fire(self, load, L_LOCAL_ADD_FAILED, exc)
             return
-        load.step(L_LOCAL_ADDED)
-
-    def _fail(self, load: _Load, message: str) -> None:
-        """A rendezvous failure, or vLLM finished it: abort it if it still loads."""
-        if load.step(L_LOCAL_FAIL) == EFFECT_ABORT:
-            self.worker.abort([load.spec.ext_id], message)
+        _LOAD.fire(self, load, L_LOCAL_ADDED)
 
     def _on_outcome(self, outcome: Outcome) -> None:
         with self._lock:
@@ -191,7 +176,7 @@ class DecodeSide:
             load = self._loads.get(req_id)
             if load is not None:
                 # vLLM finished (aborted) it, maybe while it was loading.
-                self._fail(load, "aborted by vLLM while loading")
+                _LOAD.fire(self, load, L_LOCAL_FAIL, "aborted by vLLM while loading")
         with self._lock:
             outcomes, self._outcomes = self._outcomes, []
         done = [o.ext_req_id for o in outcomes if o.ok]
@@ -217,10 +202,7 @@ class DecodeSide:
             if load is None:
                 continue
             load.failed = req_id in result.load_errors
-            if load.step(L_LOCAL_COMPLETED) == EFFECT_RELEASE and self.worker.release(
-                load.spec.ext_id
-            ):
-                load.step(L_LOCAL_QUIESCENT)
+            _LOAD.fire(self, load, L_LOCAL_COMPLETED)
         recving: set[str] = set()
         failed_recving: set[str] = set()
         self.last_failed = {}
@@ -228,7 +210,7 @@ class DecodeSide:
             if load.state == LOAD_RELEASE_PENDING:
                 if not self.worker.wait_releasable(load.spec.ext_id, 0.0):
                     continue  # a read may still write its blocks
-                load.step(L_LOCAL_QUIESCENT)
+                _LOAD.fire(self, load, L_LOCAL_QUIESCENT)
             if load.state != LOAD_RELEASED:
                 continue
             recving.add(req_id)
@@ -250,6 +232,23 @@ class DecodeSide:
                     self._error_blocks.update(main)
                     self._error_blocks.update(indexer)
         return recving, failed_recving
+
+    # -- the effects of VLLM_LOAD ------------------------------------------------------------
+
+    def _fx_report_local(self, load: _Load, exc: ProtocolError) -> None:
+        """The endpoint refused it: report that like an endpoint outcome."""
+        with self._lock:
+            self._outcomes.append(Outcome(load.spec.ext_id, False, exc.code, exc.message))
+
+    def _fx_abort(self, load: _Load, message: str) -> None:
+        """A rendezvous failure, or vLLM finished it, while it loads: abort it."""
+        self.worker.abort([load.spec.ext_id], message)
+
+    def _fx_release(self, load: _Load) -> None:
+        """Every rank ended it: release it in the endpoint; released at once when no read
+        can still write its blocks."""
+        if self.worker.release(load.spec.ext_id):
+            _LOAD.fire(self, load, L_LOCAL_QUIESCENT)
 
     def _loaded_blocks(self, spec: LoadSpec) -> tuple[list[int], list[int]]:
         """The main and indexer blocks a load was to write: those past the request's
@@ -279,3 +278,15 @@ class DecodeSide:
     def close(self) -> None:
         """Close the worker (and its backend)."""
         self.worker.close()
+
+
+# -- the table drives the action: each declared effect bound to its handler ----------------
+
+_LOAD: Final = VLLM_LOAD.bind(
+    {
+        NO_EFFECT: no_effect,
+        EFFECT_REPORT_LOCAL: DecodeSide._fx_report_local,
+        EFFECT_ABORT: DecodeSide._fx_abort,
+        EFFECT_RELEASE: DecodeSide._fx_release,
+    }
+)

@@ -9,7 +9,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Final
 
 from rd2h_protocol.errors import (
     ConfigError,
@@ -18,6 +18,7 @@ from rd2h_protocol.errors import (
     ProtocolError,
     TransferError,
 )
+from rd2h_protocol.machines import NO_EFFECT, no_effect
 from rd2h_protocol.producer import DecodeTarget, ProducerConfig, RequestFinished
 from rd2h_protocol.topology import chunk_block_range, layer_number, wire_layer_indices
 from rd2h_runtime.control import ControlOptions
@@ -48,10 +49,6 @@ from rd2h_vllm.request_machines import (
 )
 from rd2h_vllm.scheduler import CacheGroups, Rd2hConnectorMetadata, SendAbort, SendSpec
 from rd2h_vllm.scheduler import DecodeTarget as DecodeEngine
-
-if TYPE_CHECKING:
-    pass
-
 from rd2h_vllm.worker.common import (
     TpGroup,
     prefill_layouts,
@@ -80,12 +77,7 @@ class _Send:
 
     req_id: str
     ext_id: str
-    state: str = SEND_NEW  # of VLLM_SEND, changed only by step()
-
-    def step(self, event: str) -> str:
-        """Step :data:`VLLM_SEND`; return the effect."""
-        effect, self.state = VLLM_SEND.step(self.state, event)
-        return effect
+    state: str = SEND_NEW  # of VLLM_SEND, changed only by firing _SEND
 
 
 class _Publisher:
@@ -274,8 +266,7 @@ class PrefillSide:
                 event = S_LOCAL_CHUNK_AFTER_END
             else:
                 event = S_LOCAL_FINAL_CHUNK if send.final else S_LOCAL_CHUNK
-            if state.step(event) == EFFECT_SCHEDULE:
-                self._schedule(state, send)
+            _SEND.fire(self, state, event, send)
         give_up_at = time.monotonic() + self.config.kv_load_timeout_s
         for child in meta.send_aborts:
             target = _endpoint_target(child.target)
@@ -297,13 +288,14 @@ class PrefillSide:
             self.stats.record_failure(exc.code)
             registered = False
         state = _Send(send.req_id, send.ext_id)
-        state.step(S_LOCAL_REGISTERED if registered else S_LOCAL_NOT_REGISTERED)
+        _SEND.fire(self, state, S_LOCAL_REGISTERED if registered else S_LOCAL_NOT_REGISTERED)
         self._sends[send.req_id] = state
         if registered:
             self._by_ext[send.ext_id] = send.req_id
         return state
 
-    def _schedule(self, state: _Send, send: SendSpec) -> None:
+    def _fx_schedule(self, state: _Send, send: SendSpec) -> None:
+        """Schedule the chunk ``send`` carries in the endpoint (:data:`VLLM_SEND`'s effect)."""
         groups = self.groups
         try:
             ms, me = chunk_block_range(
@@ -332,8 +324,9 @@ class PrefillSide:
         except ProtocolError as exc:
             logger.error("request %s: bad chunk: %s", send.req_id, exc)
             self.stats.record_failure(exc.code)
-            if state.step(S_LOCAL_BAD_CHUNK) == EFFECT_ABORT:  # nothing more goes out for it
-                self._publisher.run(lambda: self.worker.abort([state.ext_id]))
+            aborts: list[str] = []
+            _SEND.fire(self, state, S_LOCAL_BAD_CHUNK, aborts)  # nothing more goes out for it
+            self._abort(aborts)
             return
         main = send.main_block_ids[ms:me]
         ext, final = state.ext_id, send.final
@@ -475,10 +468,9 @@ class PrefillSide:
             state = self._sends.get(req_id)
             if state is None:
                 continue
-            if state.step(S_LOCAL_VLLM_FINISHED) == EFFECT_ABORT:
-                aborts.append(state.ext_id)  # finished before its prompt was: aborted
-        if aborts:
-            self._publisher.run(lambda: self.worker.abort(aborts))
+            # One vLLM finished before its final chunk was scheduled is aborted.
+            _SEND.fire(self, state, S_LOCAL_VLLM_FINISHED, aborts)
+        self._abort(aborts)
         with self._lock:
             finished, self._finished = self._finished, []
         for f in finished:
@@ -486,7 +478,7 @@ class PrefillSide:
             state = self._sends.get(owner) if owner is not None else None
             if state is None:
                 continue
-            state.step(S_RECV_FINISHED)
+            _SEND.fire(self, state, S_RECV_FINISHED)
             if not f.ok:
                 self.stats.record_failure(f.code or ErrorCode.UNKNOWN)
                 logger.warning("request %s: KV not delivered: %s", owner, f.message)
@@ -496,6 +488,16 @@ class PrefillSide:
             if self._by_ext.get(state.ext_id) == req_id:  # it was registered
                 del self._by_ext[state.ext_id]
         return done
+
+    def _fx_abort(self, state: _Send, aborts: list[str]) -> None:
+        """Abort it toward its Decode (:data:`VLLM_SEND`'s effect): with the other ``aborts``
+        of the call, in one :meth:`_abort`."""
+        aborts.append(state.ext_id)
+
+    def _abort(self, ext_ids: list[str]) -> None:
+        """Abort ``ext_ids`` in the endpoint, in order behind what is queued."""
+        if ext_ids:
+            self._publisher.run(lambda: self.worker.abort(ext_ids))
 
     def take_stats(self) -> Rd2hKVConnectorStats | None:
         """This interval's stats (endpoint counters included), then reset."""
@@ -509,4 +511,12 @@ class PrefillSide:
         self.worker.close()
 
 
-# -- Decode ----------------------------------------------------------------------------------
+# -- the table drives the action: each declared effect bound to its handler ----------------
+
+_SEND: Final = VLLM_SEND.bind(
+    {
+        NO_EFFECT: no_effect,
+        EFFECT_SCHEDULE: PrefillSide._fx_schedule,
+        EFFECT_ABORT: PrefillSide._fx_abort,
+    }
+)

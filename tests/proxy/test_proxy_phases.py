@@ -1,4 +1,4 @@
-"""The proxy's request-phase machine: its table, and the proxy stepping it."""
+"""The proxy's request-phase machine: its table, and the proxy firing it."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from rd2h_runtime.proxy.phases import (
     PROXY_MACHINES,
     PROXY_REQUEST,
 )
+from rd2h_runtime.proxy.registry import Outcome, Registry, RendezvousRefused
 from tests.machine_checks import Recording, record, table_tests
 
 test_table_agrees_with_machine_on_every_pair, test_declarations_are_well_formed = table_tests(
@@ -36,12 +37,39 @@ def test_a_post_after_the_dispatch_started_is_refused_by_the_table() -> None:
 
 @pytest.fixture
 def recording(monkeypatch: pytest.MonkeyPatch) -> Recording:
-    return record(monkeypatch, registry, "PROXY_REQUEST")
+    return record(monkeypatch, registry, "_PROXY_REQUEST")
 
 
 def _phase_after(rec: Recording) -> str:
     """The phase the parent was left in by the last recorded step."""
     return PROXY_REQUEST.step(*rec.steps[-1])[1]
+
+
+def test_the_registry_fires_its_machine_through_the_handlers(recording: Recording) -> None:
+    reg = Registry()
+    parent = reg.open("p", COMPLETIONS, {}, {}, ("c0", "c1"), 0.0)
+    assert reg.record("c0", {"a": 0}) == (parent, Outcome.RECORDED)  # record
+    assert reg.record("c1", {"a": 1}) == (parent, Outcome.READY)  # dispatch
+    assert parent.posted == {"c0": {"a": 0}, "c1": {"a": 1}} and parent.dispatch_running
+    assert reg.fail(parent, P_RECV_DISPATCH_FAILED, 502, "boom")  # fail
+    assert not reg.fail(parent, P_TIMER_RENDEZVOUS_EXPIRED, 504, "late")  # none
+    reg.dispatch_succeeded(parent)  # none: the first failure won
+    assert parent.failure == (502, "boom") and parent.state == PHASE_FAILED
+    # refuse: a post for a failed parent.
+    other = reg.open("q", COMPLETIONS, {}, {}, ("d0", "d1"), 0.0)
+    reg.fail(other, P_TIMER_RENDEZVOUS_EXPIRED, 504, "late")
+    with pytest.raises(RendezvousRefused, match="over: late") as info:
+        reg.record("d0", {})
+    assert info.value.status == 410 and other.posted == {}
+    assert recording.steps == [
+        (PHASE_WAITING, P_RECV_POST),
+        (PHASE_WAITING, P_RECV_LAST_POST),
+        (PHASE_DISPATCHING, P_RECV_DISPATCH_FAILED),
+        (PHASE_FAILED, P_TIMER_RENDEZVOUS_EXPIRED),
+        (PHASE_FAILED, P_RECV_DISPATCH_OK),
+        (PHASE_WAITING, P_TIMER_RENDEZVOUS_EXPIRED),
+        (PHASE_FAILED, P_RECV_POST),
+    ]
 
 
 @async_test

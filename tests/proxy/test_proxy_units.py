@@ -127,7 +127,7 @@ def test_registry_ready_exactly_once_and_duplicates() -> None:
     assert reg.record("cmpl-p-0", {"a": 1}) == (parent, Outcome.RECORDED)
     assert reg.record("cmpl-p-0", {"a": 1}) == (parent, Outcome.DUPLICATE)
     assert reg.record("cmpl-p-1", {"b": 2}) == (parent, Outcome.READY)
-    assert parent.phase == PHASE_DISPATCHING and parent.dispatch_running
+    assert parent.state == PHASE_DISPATCHING and parent.dispatch_running
     for child, params in (("cmpl-p-0", {"a": 1}), ("cmpl-p-1", {"b": 2})):
         assert reg.record(child, params) == (parent, Outcome.DUPLICATE)
     with pytest.raises(RendezvousRefused) as info:
@@ -186,7 +186,7 @@ def test_registry_dispatch_success_and_timer_cancel() -> None:
         assert reg.record("cmpl-p-0", {})[1] is Outcome.READY
         assert parent.timer is None  # completing the set stops the rendezvous timer
         reg.dispatch_succeeded(parent)
-        assert parent.phase == PHASE_DISPATCHED
+        assert parent.state == PHASE_DISPATCHED
         reg.finish_dispatch(parent)
         assert len(reg) == 1  # the client exchange still runs
         reg.close_client(parent)

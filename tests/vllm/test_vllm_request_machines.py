@@ -1,5 +1,5 @@
 """The connector worker's vLLM send / load machines: their tables, and the worker halves
-stepping them (a Prefill and a Decode half in this process, on the loopback backend)."""
+firing them (a Prefill and a Decode half in this process, on the loopback backend)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import msgspec
 import pytest
 import torch
 
@@ -16,11 +17,15 @@ from rd2h_runtime.transfer import create_backend
 from rd2h_vllm.config import Rd2hConfig, parse_config
 from rd2h_vllm.destinations import VllmCacheDestinations, device_events
 from rd2h_vllm.request_machines import (
+    L_LOCAL_ADD_FAILED,
     L_LOCAL_ADDED,
     L_LOCAL_COMPLETED,
     L_LOCAL_FAIL,
     L_LOCAL_QUIESCENT,
+    LOAD_FAILED_LOCALLY,
+    LOAD_NEW,
     LOAD_RELEASED,
+    S_LOCAL_BAD_CHUNK,
     S_LOCAL_CHUNK,
     S_LOCAL_FINAL_CHUNK,
     S_LOCAL_REGISTERED,
@@ -29,6 +34,7 @@ from rd2h_vllm.request_machines import (
     SEND_DONE,
     SEND_FINISHING,
     SEND_NEW,
+    SEND_PUBLISHED,
     SEND_PUBLISHING,
     VLLM_LOAD,
     VLLM_MACHINES,
@@ -180,12 +186,12 @@ def _until(what: str, fn: Any, *args: Any) -> Any:
 Halves = tuple[PrefillSide, DecodeSide, dict[str, Any], dict[str, Any]]
 
 
-def test_a_request_moves_and_both_halves_step_their_machines(
+def test_a_request_moves_and_both_halves_fire_their_machines(
     halves: Halves, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     prefill, decode, p_caches, d_caches = halves
-    sends = record(monkeypatch, prefill_mod, "VLLM_SEND")
-    loads = record(monkeypatch, decode_mod, "VLLM_LOAD")
+    sends = record(monkeypatch, prefill_mod, "_SEND")
+    loads = record(monkeypatch, decode_mod, "_LOAD")
     src, dst = [1, 2], [5, 6]
     # Decode learns the destinations, then Prefill computes and publishes every layer.
     decode.bind(Rd2hConnectorMetadata(loads=[_load("a", dst)]))
@@ -208,8 +214,8 @@ def test_a_failed_load_and_an_early_finish_abort(
     halves: Halves, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     prefill, decode, _, _ = halves
-    sends = record(monkeypatch, prefill_mod, "VLLM_SEND")
-    loads = record(monkeypatch, decode_mod, "VLLM_LOAD")
+    sends = record(monkeypatch, prefill_mod, "_SEND")
+    loads = record(monkeypatch, decode_mod, "_LOAD")
     # Decode: the rendezvous failed after the load was registered: aborted in the endpoint.
     decode.bind(Rd2hConnectorMetadata(loads=[_load("b", [3])]))
     failure = LoadFailure(req_id="b", ext_id="ext-b", code=int(ErrorCode.ABORTED), message="x")
@@ -228,3 +234,28 @@ def test_a_failed_load_and_an_early_finish_abort(
         (SEND_PUBLISHING, S_LOCAL_VLLM_FINISHED),  # -> finishing, effect abort
     ]
     assert sends.steps[3:] == [(SEND_FINISHING, S_RECV_FINISHED)]
+
+
+def test_a_refused_load_and_a_bad_chunk_fire_their_handlers(
+    halves: Halves, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    prefill, decode, _, _ = halves
+    sends = record(monkeypatch, prefill_mod, "_SEND")
+    loads = record(monkeypatch, decode_mod, "_LOAD")
+    # report_local: the endpoint refuses a block past the cache; the failure is reported
+    # like an endpoint outcome and the load is released (failed) without a release.
+    decode.bind(Rd2hConnectorMetadata(loads=[_load("e", [NUM_BLOCKS])]))
+    assert decode.get_finished([]) == ({"e"}, {"e"})
+    assert loads.steps == [(LOAD_NEW, L_LOCAL_ADD_FAILED), (LOAD_FAILED_LOCALLY, L_LOCAL_COMPLETED)]
+    # abort: a chunk whose block range is impossible; nothing more goes out for it.
+    bad = msgspec.structs.replace(_send("h", [1], _port(decode), final=False), computed_tokens=-1)
+    prefill.bind(Rd2hConnectorMetadata(sends=[bad]))
+    sending = prefill.get_finished(["h"]) or _until("Prefill aborted", prefill.get_finished, [])
+    assert sending == {"h"} and prefill.is_idle()
+    assert sends.steps == [
+        (SEND_NEW, S_LOCAL_REGISTERED),
+        (SEND_PUBLISHING, S_LOCAL_CHUNK),  # -> schedule, which finds the chunk bad
+        (SEND_PUBLISHING, S_LOCAL_BAD_CHUNK),  # -> published, abort
+        (SEND_PUBLISHED, S_LOCAL_VLLM_FINISHED),
+        (SEND_FINISHING, S_RECV_FINISHED),
+    ]
