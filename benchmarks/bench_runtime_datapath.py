@@ -20,6 +20,10 @@ each the median of ``--repeats`` samples after one warm-up:
   for that message, called directly in the Decode process;
 * ``memcpy``: ``numpy.copyto`` of the layer's bytes within one process.
 
+Where a runtime layer's time goes: ``read`` (inside ``backend.read``, from Decode's
+metrics), ``plan`` (plan -> descriptors) and ``rest`` (the control plane: messages both
+ways, endpoints, the gate), each the median over the samples.
+
 GB/s = 1e9 bytes/s over the layer's bytes. Every byte of the destination is checked
 against the pattern Prefill wrote. Goal: runtime >= 70 % of raw on one host.
 
@@ -139,6 +143,9 @@ def decode_side(
                     timeout_s=TIMEOUT_S,
                 )
                 conn.send((time.perf_counter() - t0, len(desc), desc.total_bytes))
+            elif cmd == "in_read":
+                # Seconds the runtime has spent inside backend.read (and planning) so far.
+                conn.send((worker.metrics.read_s, worker.metrics.plan_s))
             elif cmd == "verify":
                 bad = sum(len(dest.verify(ext, main, idx)) for ext, (main, idx) in ids.items())
                 conn.send(bad)
@@ -233,6 +240,9 @@ def run_size(
             cache.write(0, name, src, 0, src, 0)
         runtime: list[float] = []
         raw: list[float] = []
+        in_read: list[float] = []  # of each runtime sample: inside backend.read
+        planning: list[float] = []
+        read_before, plan_before = decode.call("in_read")
         # Runtime and raw samples alternate, so a noisy neighbour slows both alike, and
         # which of the two goes first alternates too (the one just after the other ran
         # faster over the veth link); the first of each warms up (handshake, connections,
@@ -248,12 +258,16 @@ def run_size(
             if not prefill.wait_writable(0, TIMEOUT_S):
                 raise TimeoutError("no reply within the timeout")
             elapsed = time.perf_counter() - t0
+            read_total, plan_total = decode.call("in_read")
             prefill.end_step()
             if not raw_first:
                 raw_s, descriptors, nbytes = decode.call("raw")
             if i:
                 runtime.append(elapsed)
                 raw.append(raw_s)
+                in_read.append(read_total - read_before)
+                planning.append(plan_total - plan_before)
+            read_before, plan_before = read_total, plan_total
         finished = [prefill.wait_finished(n, TIMEOUT_S) for n in names]
         if not all(f is not None and f.ok for f in finished):
             raise RuntimeError(f"requests did not complete: {finished}")
@@ -269,6 +283,11 @@ def run_size(
         "memcpy": statistics.median(memcpy),
         "raw": statistics.median(raw),
         "runtime": statistics.median(runtime),
+        "in_read": statistics.median(in_read),
+        "planning": statistics.median(planning),
+        "rest": statistics.median(
+            r - n - p for r, n, p in zip(runtime, in_read, planning, strict=True)
+        ),
     }
 
 
@@ -295,10 +314,11 @@ def run_size_across(hosts: netns.TwoHosts, *args: Any) -> dict[str, Any]:
         if not conn.poll(TIMEOUT_S * 4):
             raise TimeoutError("the Prefill side did not answer")
         result = conn.recv()
-    finally:
         proc.join(TIMEOUT_S)
-        if proc.is_alive():
-            proc.kill()
+    finally:
+        if proc.is_alive():  # an error, Ctrl-C or SIGTERM: leave nothing running there
+            proc.kill()  # its Decode child ends when the pipe to it closes
+            proc.join(TIMEOUT_S)
     if isinstance(result, str):
         raise RuntimeError(f"the Prefill side failed: {result}")
     return dict(result)
@@ -351,7 +371,7 @@ def report(args: argparse.Namespace, hosts: netns.TwoHosts | None) -> int:
     )
     print(
         f"{'layer MiB':>9} {'descs':>6} {'memcpy':>8} {'raw':>8} {'runtime':>8}"
-        f" {'runtime/raw':>12} {'runtime/memcpy':>15}"
+        f" {'runtime/raw':>12} {'runtime/memcpy':>15}   runtime ms = read + plan + rest"
     )
     ok = True
     for mib in args.layer_mib:
@@ -362,7 +382,8 @@ def report(args: argparse.Namespace, hosts: netns.TwoHosts | None) -> int:
         print(
             f"{r['nbytes'] / MIB:>9.1f} {r['descriptors']:>6} {gbs['memcpy']:>8.2f} "
             f"{gbs['raw']:>8.2f} {gbs['runtime']:>8.2f} {ratio:>11.0%} "
-            f"{gbs['runtime'] / gbs['memcpy']:>14.0%}"
+            f"{gbs['runtime'] / gbs['memcpy']:>14.0%}   {r['runtime'] * 1e3:.1f} = "
+            f"{r['in_read'] * 1e3:.1f} + {r['planning'] * 1e3:.2f} + {r['rest'] * 1e3:.2f}"
         )
         ok = ok and ratio >= args.min_ratio
     print(f"goal: runtime >= {'90% of raw across hosts' if hosts else '70% of raw'}")
