@@ -211,6 +211,7 @@ def run_size(
     requests: int,
     repeats: int,
     seed: int,
+    *,
     hosts: netns.TwoHosts | None = None,
 ) -> dict[str, Any]:
     """Measure one layer size; with ``hosts``, call it in Prefill's namespace (Decode's
