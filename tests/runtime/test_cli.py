@@ -85,7 +85,7 @@ def test_bench_runs_the_data_path_across_namespaces_where_they_can_be_made(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(bench.netns, "unavailable", lambda: None)
-    assert bench.variants("runtime_datapath") == [[], ["--netns"]]
+    assert bench.variants("runtime_datapath") == [[], ["--netns", "--repeats", "15"]]
     assert bench.variants("codec") == [[]]
     monkeypatch.setattr(bench.netns, "unavailable", lambda: "network namespaces need root")
     assert bench.variants("runtime_datapath") == [[]]
