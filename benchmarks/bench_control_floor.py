@@ -373,7 +373,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     ap.add_argument("--repeats", type=int, default=48, help="layers per shape (median)")
     ap.add_argument("--floor-repeats", type=int, default=2000)
-    ap.add_argument("--backends", nargs="*", default=["loopback", "nixl", "mooncake", "memfabric"])
+    ap.add_argument(
+        "--backends", nargs="*", default=["loopback", "cma", "nixl", "mooncake", "memfabric"]
+    )
     ap.add_argument("--strict", action="store_true", help="exit 1 when a goal is missed")
     args = ap.parse_args(argv)
 

@@ -10,8 +10,8 @@ as threads, because the Decode main pool is one TP-shared buffer). Engines run i
 spawn (nixl, mooncake: real bytes between processes), driven through a pipe by
 :class:`EngineProcess`. Sockets are on 127.0.0.1 with ports chosen at run time, unless a
 spec names its ``host`` (and, for Decode, its ``port``); a child engine can also run in a
-network namespace of its own (``netns``, see :func:`enter_netns`), so that two engines on
-one machine talk over a real link as two hosts would.
+network namespace of its own (``netns``, see :mod:`rd2h_runtime.tools.netns`), so that two
+engines on one machine talk over a real link as two hosts would.
 
 Decode verifies every destination byte against the pattern Prefill wrote
 (:meth:`~rd2h_runtime.tools.synthetic.DecodeDestinations.verify`). ``rd2h demo`` and the
@@ -25,15 +25,11 @@ pipe first.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import dataclasses
-import fcntl
 import multiprocessing
 import multiprocessing.connection
 import os
 import signal
-import socket
-import struct
 import threading
 import time
 import traceback
@@ -48,6 +44,7 @@ from rd2h_protocol.wire.messages import ALL_CAPABILITIES
 from rd2h_runtime.control import BindError, ControlOptions
 from rd2h_runtime.decode import DecodeWorker, Outcome
 from rd2h_runtime.prefill import PrefillWorker
+from rd2h_runtime.tools.netns import enter_host
 from rd2h_runtime.tools.synthetic import (
     BlockAllocator,
     DecodeDestinations,
@@ -70,75 +67,6 @@ FAST_CONTROL = ControlOptions(
     reconnect_grace_s=1.0,
     idle_poll_s=0.5,
 )
-
-
-# -- network namespaces -------------------------------------------------------------------------
-
-_CLONE_NEWNET = 0x40000000
-_CLONE_NEWNS = 0x00020000
-_MS_RDONLY = 1
-_MS_REC = 0x4000
-_MS_SLAVE = 1 << 19
-_MNT_DETACH = 2
-_SIOCGIFADDR = 0x8915
-NETNS_DIR = "/var/run/netns"
-
-
-def _libc_check(ret: int, what: str) -> None:
-    if ret != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"{what}: {os.strerror(err)}")
-
-
-def enter_netns(name: str) -> None:
-    """Move this process into the named network namespace, as ``ip netns exec`` does.
-
-    Call it before any socket, ZMQ context or transfer engine exists, on the main thread:
-    the namespace is per thread, and threads started afterwards inherit it. Like ``ip netns
-    exec``, it also gives the process a mount namespace of its own with a sysfs of the new
-    network namespace on /sys (UCX finds its network devices in /sys/class/net). Needs
-    root (CAP_SYS_ADMIN).
-    """
-    libc = ctypes.CDLL(None, use_errno=True)
-    fd = os.open(os.path.join(NETNS_DIR, name), os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        _libc_check(libc.setns(fd, _CLONE_NEWNET), f"setns({name})")
-    finally:
-        os.close(fd)
-    _libc_check(libc.unshare(_CLONE_NEWNS), "unshare(CLONE_NEWNS)")
-    # Nothing mounted or unmounted from here on may propagate back to the host's mounts.
-    _libc_check(libc.mount(b"none", b"/", None, _MS_REC | _MS_SLAVE, None), "mount --make-rslave /")
-    flags = _MS_RDONLY if os.statvfs("/sys").f_flag & os.ST_RDONLY else 0
-    libc.umount2(b"/sys", _MNT_DETACH)  # not mounted is fine
-    _libc_check(libc.mount(name.encode(), b"/sys", b"sysfs", flags, None), "mount sysfs /sys")
-
-
-def interface_of(host: str) -> str | None:
-    """The network interface holding the IPv4 address ``host`` here, or None."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
-        for _, name in socket.if_nameindex():
-            request = struct.pack("256s", name.encode()[:15])
-            try:
-                answer = fcntl.ioctl(sock.fileno(), _SIOCGIFADDR, request)
-            except OSError:  # no IPv4 address
-                continue
-            if socket.inet_ntoa(answer[20:24]) == host:
-                return name
-    return None
-
-
-def _enter_host(netns: str, host: str) -> None:
-    """Child start-up for an engine in a namespace: enter it, keep UCX on its link.
-
-    UCX sees the other namespace's engine on the same machine and would use shared memory
-    with it, past the link; TCP over the interface of ``host`` is what two hosts would use.
-    """
-    enter_netns(netns)
-    os.environ["UCX_TLS"] = "tcp"
-    device = interface_of(host)
-    if device is None:
-        raise RuntimeError(f"no interface holds {host} in network namespace {netns}")
-    os.environ["UCX_NET_DEVICES"] = device
 
 
 # -- fault-injecting backend -----------------------------------------------------------------
@@ -590,7 +518,7 @@ def _child_main(
     engine: DecodeEngine | PrefillEngine
     try:
         if spec.netns is not None:  # first: before any socket or engine exists
-            _enter_host(spec.netns, spec.host)
+            enter_host(spec.netns, spec.host)
         if kind == "decode":
             assert isinstance(spec, DecodeSpec)
             engine = DecodeEngine(spec, events)

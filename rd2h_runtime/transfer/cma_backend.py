@@ -23,6 +23,9 @@ a parent may, so a Prefill backend declares every process of its user a permitte
 (``prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY)``): any process of that user can then read
 its memory, which it could also do through the transfer engines' registered memory.
 ``ptrace_scope`` 2 or 3 refuses; the error says so.
+
+Any number of backends share one process, a Prefill and a Decode included (the kernel
+copies within one address space just as well): tests/runtime/test_transfer_one_process.py.
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 For tests and single-process demos. The session id names an entry of a process-wide
 registry, so a "peer" is another :class:`LoopbackBackend` of the same process. Both sides
 of every descriptor are checked against what the two backends registered before a single
-byte moves, so a bad address is a :class:`TransferError`, never a segfault.
+byte moves, so a bad address is a :class:`TransferError`, never a segfault. Prefill and
+Decode in one process is what it is for (tests/runtime/test_transfer_one_process.py).
 """
 
 from __future__ import annotations

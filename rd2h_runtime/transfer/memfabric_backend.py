@@ -12,6 +12,15 @@ it), so the session is built after initialisation. Releases that hand out the po
 initialisation (``get_rpc_port() > 0``) get ``"<host>:<port>"`` as their unique id instead.
 ``store_url`` defaults to ``tcp://<host>``; the Prefill side serves the config store.
 
+One engine per process, refused with a :class:`ConfigError` naming the live one: unlike
+NIXL agents and Mooncake engines (several of which share a process, Prefill and Decode
+included), MemFabric's role and device are process-wide state. Its C API
+(``include/smem/host/smem_trans.h``, 1.3) takes them in ``smem_trans_init(config)``, which
+"all processes need to call ... before creating a trans object", and undoes it with the
+process-wide ``smem_trans_uninit``; ``smem_trans_create`` then only adds a store URL and a
+unique id. A second engine would re-initialise (or, closing, tear down) the first one's
+role and device under it. Untested on an NPU here: these hosts have none.
+
 MemFabric needs an Ascend NPU and its driver. Without them its ``initialize`` fails; the
 error raised then says so rather than passing on a bare ``-1``.
 """
@@ -126,8 +135,10 @@ class MemfabricBackend(TransferBackend):
         with _active_lock:
             if _active is not None and not _active.closed:
                 raise ConfigError(
-                    "one MemFabric engine per process: this process already has one bound to "
-                    f"role {_active.role}, device {_active.device_id}, host {_active.host}"
+                    "one MemFabric engine per process (MemFabric binds role and device "
+                    "process-wide in smem_trans_init): this process already has one bound to "
+                    f"role {_active.role}, device {_active.device_id}, host {_active.host}; "
+                    "run the other role in a process of its own, or use nixl or mooncake"
                 )
             _active = self
         try:

@@ -15,6 +15,8 @@ Facts that shaped this module (mooncake-transfer-engine-non-cuda 0.3.13):
   seconds, at least 5, default 30, plus one nanosecond per byte) and no cancel. It runs on a
   :class:`~rd2h_runtime.transfer.base.BlockingCallRunner` so ``read`` returns at its own
   deadline; :meth:`MooncakeBackend.quiesce` waits for the engine call to end.
+- Each backend owns a ``TransferEngine`` with its own RPC port, so several share one
+  process (a Prefill and a Decode included: tests/runtime/test_transfer_one_process.py).
 """
 
 from __future__ import annotations

@@ -14,6 +14,9 @@ runs on a :class:`~rd2h_runtime.transfer.base.BlockingCallRunner` thread and ``r
 returns at its deadline regardless. A request still polling at the deadline is released,
 which asks UCX to cancel it; if NIXL refuses (the transfer cannot be cancelled yet) the
 handle is kept and :meth:`NixlBackend.quiesce` waits for it.
+
+Each backend is an agent of its own, named uniquely, so any number share one process
+(a Prefill and a Decode included: tests/runtime/test_transfer_one_process.py).
 """
 
 from __future__ import annotations

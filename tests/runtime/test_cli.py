@@ -79,3 +79,13 @@ def test_console_script_is_installed() -> None:
     )
     assert proc.returncode == 0
     assert "usage: rd2h <command>" in proc.stdout
+
+
+def test_bench_runs_the_data_path_across_namespaces_where_they_can_be_made(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(bench.netns, "unavailable", lambda: None)
+    assert bench.variants("runtime_datapath") == [[], ["--netns", "--repeats", "15"]]
+    assert bench.variants("codec") == [[]]
+    monkeypatch.setattr(bench.netns, "unavailable", lambda: "network namespaces need root")
+    assert bench.variants("runtime_datapath") == [[]]

@@ -136,3 +136,17 @@ def test_reads_run_on_one_persistent_worker_with_the_same_deadline_semantics(
     for worker in workers:
         worker.join(5)
         assert not worker.is_alive()
+
+
+def test_a_second_engine_in_one_process_is_refused_saying_why(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(memfabric_hybrid, "TransferEngine", _FakeEngine)
+    first = create_backend("memfabric", role="prefill")
+    try:
+        with pytest.raises(ConfigError, match="one MemFabric engine per process") as info:
+            create_backend("memfabric", role="decode")
+        assert "smem_trans_init" in str(info.value) and "role prefill" in str(info.value)
+    finally:
+        first.close()
+    create_backend("memfabric", role="decode").close()  # the slot is free once closed

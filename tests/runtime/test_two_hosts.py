@@ -12,7 +12,7 @@ mooncake (TCP). Faults on the link:
 - ``rd2h check-read`` between the two namespaces.
 
 Each test makes its own namespaces (names carry this process's id) and removes them when
-it ends, also on failure (:mod:`tests.runtime.netns`). Needs root and iproute2: without
+it ends, also on failure (:mod:`rd2h_runtime.tools.netns`). Needs root and iproute2: without
 them the tests fail in CI and are skipped elsewhere. Run alone:
 ``UCX_MODULES=^ib python -m pytest -q -p no:cacheprovider tests/runtime/test_two_hosts.py -s``
 (``-s`` shows the measured figures).
