@@ -1,4 +1,4 @@
-"""What configures one Decode endpoint, and what it counts."""
+"""What configures one Decode endpoint, what it counts, and the type of what it outputs."""
 
 from __future__ import annotations
 

@@ -52,6 +52,8 @@ def _reply_size(reply: ReadDone | ReadFailed) -> int:
 class _Replies(_RequestEffects):
     """Every readiness gets exactly one reply; these build and send it."""
 
+    # The readiness machine's REPLY_DONE and REPLY_FAILED effects.
+
     def _reply_done(self, rd: _Readiness) -> None:
         msg = rd.msg
         if msg.seq is None:
