@@ -121,7 +121,7 @@ _SKIP: Final[dict[str, frozenset[str]]] = {
             "_timers",
         }
     ),
-    "rd2h_protocol.consumer.ConsumerEndpoint": frozenset(
+    "rd2h_protocol.consumer.endpoint.ConsumerEndpoint": frozenset(
         {
             "config",
             "stats",
@@ -142,9 +142,11 @@ _SKIP: Final[dict[str, frozenset[str]]] = {
     "rd2h_protocol.producer._Pub": frozenset({"sent_at"}),  # for latency metrics only
     # Failure texts are reported, never acted on.
     "rd2h_protocol.producer._Request": frozenset({"message"}),
-    "rd2h_protocol.consumer._Request": frozenset({"fail_message"}),
+    "rd2h_protocol.consumer.records._Request": frozenset({"fail_message"}),
     # The reply memory is written by _canon_world, only where it can still be asked.
-    "rd2h_protocol.consumer._Session": frozenset({"validated", "remembered", "remembered_bytes"}),
+    "rd2h_protocol.consumer.records._Session": frozenset(
+        {"validated", "remembered", "remembered_bytes"}
+    ),
     # A request's spec and block ids never change; its key says which request it is.
     "rd2h_protocol.checker.model._Req": frozenset({"spec", "pmain", "pidx", "dmain", "didx"}),
     "rd2h_protocol.completion.ContributorSet": frozenset({"duplicates"}),
@@ -156,7 +158,7 @@ _SKIP: Final[dict[str, frozenset[str]]] = {
 _REFS: Final[dict[str, dict[str, str]]] = {
     "rd2h_protocol.producer._Pub": {"conn": "name", "requests": "ext_id"},
     "rd2h_protocol.producer._Request": {"conn": "name"},
-    "rd2h_protocol.consumer._Readiness": {"accepted": "ext_id", "in_plan": "ext_id"},
+    "rd2h_protocol.consumer.records._Readiness": {"accepted": "ext_id", "in_plan": "ext_id"},
 }
 _ATOMIC: Final = frozenset({str, int, bytes, bool, type(None)})
 _NOW: list[float] = [0.0]  # the instant times are measured from, while canonicalising

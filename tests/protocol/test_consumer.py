@@ -17,7 +17,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import rd2h_protocol.consumer as consumer_module
 from rd2h_protocol.consumer import (
     CONSUMER_MACHINES,
     ConsumerConfig,
@@ -1559,9 +1558,9 @@ def test_done_signal_of_request_aborted_during_read_does_not_count() -> None:
 def test_failure_texts_are_dropped_when_the_reply_would_be_too_large(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import rd2h_protocol.consumer as consumer
+    import rd2h_protocol.consumer.replies as replies_module
 
-    monkeypatch.setattr(consumer, "_REPLY_TEXT_BUDGET", 10)
+    monkeypatch.setattr(replies_module, "_REPLY_TEXT_BUDGET", 10)
     ep = ready()
     outs = send(ep, rrb(0, [rr("someone", [1])], seq=1))
     outs = ep.handle_timer(ep.get_timer() or 0.0)
@@ -1723,7 +1722,7 @@ _IDX_SPELLINGS = {
 def test_every_spelling_of_layer_and_name_is_read_alike(idx: str, name: str) -> None:
     """Legal msgpack spellings of the fields before the entries: the entries' offset is
     found for those encoders write (else None), and the endpoint answers all alike."""
-    from rd2h_protocol.consumer import _entries_offset
+    from rd2h_protocol.consumer.frames import _entries_offset
 
     def run(frame: bytes) -> tuple[list[Any], list[Any]]:
         ep = ready()
@@ -1745,7 +1744,7 @@ def test_every_spelling_of_layer_and_name_is_read_alike(idx: str, name: str) -> 
 
 
 def test_entries_offset_of_a_cut_frame_is_none() -> None:
-    from rd2h_protocol.consumer import _entries_offset
+    from rd2h_protocol.consumer.frames import _entries_offset
 
     msg = rrb(0, [rr("r1", [1])], seq=1)
     frame = encode(msg)
@@ -1818,15 +1817,15 @@ def test_kept_entries_never_vouch_for_the_rest_of_a_frame() -> None:
 
 
 def test_entries_kept_for_a_bounded_number_of_sessions() -> None:
-    from rd2h_protocol import consumer
+    from rd2h_protocol.consumer.frames import _ENTRY_CACHE_SESSIONS
 
     ep = endpoint()
-    peers = [f"peer-{i}".encode() for i in range(consumer._ENTRY_CACHE_SESSIONS + 1)]
+    peers = [f"peer-{i}".encode() for i in range(_ENTRY_CACHE_SESSIONS + 1)]
     for i, peer in enumerate(peers):
         send(ep, meta(f"p{i}"), peer=peer)
         ep.add_request(f"r{i}", [0], [0], 0.0)
         finish(ep, send(ep, rrb(0, [rr(f"r{i}", [1])], seq=1), peer=peer))
-    assert len(ep._entry_cache) == consumer._ENTRY_CACHE_SESSIONS
+    assert len(ep._entry_cache) == _ENTRY_CACHE_SESSIONS
     assert "p0" not in ep._entry_cache and f"p{len(peers) - 1}" in ep._entry_cache
 
 
@@ -2013,7 +2012,7 @@ def test_input_no_table_allows_closes_that_peers_session(
     )
     planted = replace(DECODE_SESSION, transitions=decls)
     monkeypatch.setattr(
-        consumer_module, "_SESSION", planted.bind(consumer_module._SESSION.handlers)
+        ConsumerEndpoint, "_SESSION", planted.bind(ConsumerEndpoint._SESSION.handlers)
     )
     ep = endpoint()
     send(ep, meta("p0"), peer=b"bad")

@@ -1,0 +1,128 @@
+"""What configures one Decode endpoint, what it counts, and the type of what it outputs."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TypeAlias
+
+from rd2h_protocol.errors import ConfigError
+from rd2h_protocol.events import ConsumerOutput
+from rd2h_protocol.wire.layout import DestinationLayout
+from rd2h_protocol.wire.messages import ALL_CAPABILITIES
+
+
+@dataclass(frozen=True)
+class ConsumerConfig:
+    """Configuration of one Decode TP rank's endpoint.
+
+    ``layers`` is this rank's ordered list of ``(layer name, destination)``: a readiness
+    is served by its layer NAME, and its ``layer_idx`` is checked against that name.
+    ``compat`` is compared with a v2
+    Prefill's MF_META ``compat`` (when both are set); a mismatch refuses the handshake.
+    ``kv_load_timeout_s``: a request waiting for KV with no progress for that long fails.
+    ``max_parked`` / ``park_timeout_s`` bound the readiness (and aborts) kept for requests
+    not known yet, and so do ``max_parked_ids`` (what they hold, counted in request and
+    block ids: 54 bytes each once decoded, measured; the default 2M ids keep about
+    110 MB) and ``max_parked_ids_per_session`` (one
+    Prefill session's share of it, so that a flood from one peer leaves room for the
+    others); a readiness beyond a bound is served at once, its unknown requests failing
+    alone. ``max_read_retries``: retries of a batched read that failed with a
+    transient error. ``max_retired``: how many recently finished request ids are
+    remembered, so a late readiness for them is refused at once instead of parked.
+    ``max_sessions``: Prefill sessions kept (the oldest handshake is forgotten first);
+    ``max_session_bytes`` bounds the layouts they keep (counted as the bytes of their
+    encoded MF_META layouts; the decoded form costs 4.3 times that, measured for a
+    4096-layer layout, so the default 64 MiB keeps about 280 MB; a 61-layer layout
+    encodes in about 10 KB) and
+    ``max_session_bytes_per_peer`` what the sessions one connection opened keep: beyond
+    it that connection's oldest sessions are forgotten, nobody else's. A forgotten
+    session's Prefill (v2) is told UNKNOWN_SESSION and hand-shakes again.
+    ``main_shared``: the main destinations are one pool shared by the Decode TP ranks
+    (vllm-ascend's SparseKVOffloadManager, a TP-shared host pool), so each rank reads a
+    disjoint share of the main blocks; False when every rank has its own full main KV
+    (vLLM's own KV cache), so every rank reads all of them from its contributor member 0.
+    """
+
+    d_rank: int
+    d_tp: int
+    layers: Sequence[tuple[str, DestinationLayout]]
+    capabilities: Sequence[str] = ALL_CAPABILITIES
+    compat: str | None = None
+    kv_load_timeout_s: float = 120.0
+    max_parked: int = 1024
+    park_timeout_s: float = 10.0
+    max_read_retries: int = 1
+    max_retired: int = 16384
+    max_sessions: int = 4096
+    max_session_bytes: int = 64 << 20
+    max_session_bytes_per_peer: int = 4 << 20
+    max_parked_ids: int = 1 << 21
+    max_parked_ids_per_session: int = 1 << 19
+    main_shared: bool = True
+
+    def __post_init__(self) -> None:
+        if self.d_tp < 1:
+            raise ConfigError(f"d_tp must be >= 1, got {self.d_tp}")
+        if not 0 <= self.d_rank < self.d_tp:
+            raise ConfigError(f"d_rank must lie in [0, {self.d_tp}), got {self.d_rank}")
+        names = [name for name, _ in self.layers]
+        if len(set(names)) != len(names):
+            raise ConfigError("layer names must be unique; got duplicates in `layers`")
+        unknown = sorted(set(self.capabilities) - set(ALL_CAPABILITIES))
+        if unknown:
+            raise ConfigError(
+                f"unknown capabilities {unknown}; expected a subset of {list(ALL_CAPABILITIES)}"
+            )
+        for name in ("kv_load_timeout_s", "park_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in (
+            "max_parked",
+            "max_read_retries",
+            "max_retired",
+            "max_session_bytes",
+            "max_session_bytes_per_peer",
+            "max_parked_ids",
+            "max_parked_ids_per_session",
+        ):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.max_sessions < 1:
+            raise ConfigError(f"max_sessions must be >= 1, got {self.max_sessions}")
+
+
+Output: TypeAlias = ConsumerOutput
+
+
+@dataclass(slots=True)
+class ConsumerStats:
+    """Counters of one endpoint (monotonic, for metrics)."""
+
+    handshakes: int = 0
+    refused_handshakes: int = 0
+    malformed_frames: int = 0
+    dropped: int = 0
+    unexpected_messages: int = 0
+    unknown_session: int = 0
+    layer_failures: int = 0
+    isolated_requests: int = 0
+    parked: int = 0
+    park_expired: int = 0
+    park_overflow: int = 0
+    reads_started: int = 0
+    reads_failed: int = 0
+    read_retries: int = 0
+    expired_leases: int = 0
+    aborts_sent: int = 0
+    aborts_received: int = 0
+    load_timeouts: int = 0
+    duplicate_done: int = 0
+    lost_readiness: int = 0  # seq gaps: readiness that never arrived
+    repeated_readiness: int = 0  # a seq seen before (resent or duplicated): never re-read
+    replies_resent: int = 0  # ...answered again from memory
+    requests_done: int = 0
+    requests_failed: int = 0
+    protocol_errors: int = 0
+    sessions_forgotten: int = 0  # beyond max_sessions or a byte budget
+    park_budget_refusals: int = 0  # beyond max_parked_ids(_per_session)

@@ -1,0 +1,149 @@
+"""The endpoint's records: per Prefill session, request, readiness and parked ABORT.
+
+Plain slotted classes; the endpoint's layers (see :mod:`rd2h_protocol.consumer`) hold and
+change them, and the model checker snapshots their fields by name
+(:mod:`rd2h_protocol.checker.canonical`).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import TypeAlias
+
+from rd2h_protocol.completion import ContributorSet
+from rd2h_protocol.errors import ErrorCode, LayoutMismatch
+from rd2h_protocol.machines.consumer import DECODE_READINESS, DECODE_REQUEST, SESSION_UNBOUND
+from rd2h_protocol.plan import ComponentAddrs, ReadPlan
+from rd2h_protocol.wire.layout import LayerLayout
+from rd2h_protocol.wire.messages import FailedRequest, ReadDone, ReadFailed, ReadReadyBatch
+
+
+class _Session:
+    __slots__ = (
+        "caps",
+        "id_bound",
+        "layers",
+        "layout_bytes",
+        "name",
+        "next_seq",
+        "origin",
+        "peer",
+        "refusal",
+        "remembered",
+        "remembered_bytes",
+        "state",
+        "validated",
+    )
+
+    def __init__(self, name: str, origin: bytes) -> None:
+        self.name = name
+        self.state = SESSION_UNBOUND
+        self.peer: bytes | None = None
+        self.origin = origin  # the connection that opened it (its budget pays for it)
+        self.layout_bytes = 0  # its encoded layout's size (see max_session_bytes)
+        self.caps: frozenset[str] = frozenset()
+        self.layers: dict[str, LayerLayout] = {}
+        # Every Prefill block id of the layout lies below this (None: a layout without
+        # num_blocks, which cannot be checked); see _decode_bounded.
+        self.id_bound: int | None = None
+        self.refusal: tuple[ErrorCode, str] = (ErrorCode.UNKNOWN, "")
+        # The seq the next v2 readiness must carry (None: not known yet).
+        self.next_seq: int | None = None
+        # seq -> the reply it got, or None while it is served (see _REMEMBERED_SEQS).
+        self.remembered: OrderedDict[int, ReadDone | ReadFailed | None] = OrderedDict()
+        self.remembered_bytes = 0
+        # (layer_idx, layer_name) -> validated components, or the mismatch.
+        self.validated: dict[
+            tuple[int, str],
+            tuple[tuple[ComponentAddrs, ...], tuple[ComponentAddrs, ...]] | LayoutMismatch,
+        ] = {}
+
+
+class _Request:
+    __slots__ = (
+        "contributors",
+        "ext_id",
+        "fail_code",
+        "fail_message",
+        "in_flight",
+        "indexer_ids",
+        "main_ids",
+        "sessions",
+        "state",
+    )
+
+    def __init__(self, ext_id: str, main_ids: Sequence[int], indexer_ids: Sequence[int]) -> None:
+        self.ext_id = ext_id
+        self.state = DECODE_REQUEST.initial
+        self.main_ids = main_ids
+        self.indexer_ids = indexer_ids
+        self.in_flight = 0  # reads in flight that write this request's blocks
+        self.contributors: ContributorSet | None = None
+        self.sessions: set[str] = set()  # Prefill sessions that published for it
+        self.fail_code = ErrorCode.UNKNOWN
+        self.fail_message = ""
+
+
+class _Readiness:
+    __slots__ = (
+        "accepted",
+        "caps",
+        "deadline",
+        "finish_by",
+        "ids_below",
+        "in_plan",
+        "isolated",
+        "missing",
+        "msg",
+        "park_id",
+        "peer",
+        "plan",
+        "receipt",
+        "retries_left",
+        "session",
+        "start_by",
+        "state",
+    )
+
+    def __init__(
+        self,
+        peer: bytes,
+        session: str,
+        msg: ReadReadyBatch,
+        now: float,
+        ids_below: int | None = None,
+    ) -> None:
+        self.peer = peer
+        self.session = session
+        self.msg = msg
+        # Every Prefill block id of ``msg`` is below this (proven while decoding), or None.
+        self.ids_below = ids_below
+        self.receipt = now
+        self.state = DECODE_READINESS.initial
+        self.start_by = None if msg.lease_ms is None else now + msg.lease_ms / 2000.0
+        self.finish_by = None if msg.lease_ms is None else now + msg.lease_ms / 1000.0
+        self.caps: frozenset[str] = frozenset()
+        self.missing: set[str] = set()
+        self.deadline = 0.0
+        self.park_id = 0
+        self.accepted: list[_Request] = []
+        self.in_plan: list[_Request] = []
+        self.isolated: list[FailedRequest] = []
+        self.plan: ReadPlan | None = None
+        self.retries_left = 0
+
+
+class _ParkedAbort:
+    __slots__ = ("cost", "deadline", "missing", "park_id", "reason", "session")
+
+    def __init__(self, session: str, missing: set[str], reason: str, deadline: float) -> None:
+        self.session = session
+        self.missing = missing
+        self.cost = len(missing)  # fixed: ``missing`` shrinks while it is parked
+        self.reason = reason
+        self.deadline = deadline
+        self.park_id = 0
+
+
+_Parked: TypeAlias = _Readiness | _ParkedAbort

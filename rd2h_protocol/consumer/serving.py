@@ -1,0 +1,312 @@
+"""Serving one readiness: from the checks to the one read plan of the message.
+
+The layer and layout checks, parking, each request's share and the one
+:class:`~rd2h_protocol.plan.ReadPlan` per message: steps 1 to 5 of the theory of
+operation in :mod:`rd2h_protocol.consumer`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from rd2h_protocol.completion import ContributorSet
+from rd2h_protocol.consumer.frames import _message_ids, _unique
+from rd2h_protocol.consumer.reads import _ReadOutcomes
+from rd2h_protocol.consumer.records import _Readiness, _Request, _Session
+from rd2h_protocol.consumer.replies import _clip
+from rd2h_protocol.errors import ErrorCode, LayoutMismatch, ProtocolError, RemoteProtocolError
+from rd2h_protocol.machines.consumer import (
+    M_LOCAL_NOTHING_TO_READ,
+    M_LOCAL_PARK,
+    M_LOCAL_START_READ,
+    R_LOCAL_FAIL,
+    R_RECV_READINESS,
+    REQ_ABORTED,
+    REQ_DONE,
+    REQ_RELEASE_PENDING,
+    SESSION_READY,
+)
+from rd2h_protocol.plan import ComponentAddrs, ReadPlan, RequestRead
+from rd2h_protocol.topology import indexer_share, main_share
+from rd2h_protocol.wire.layout import (
+    LayerLayout,
+    check_destination_range,
+    check_source_blocks,
+    validate_layer,
+)
+from rd2h_protocol.wire.messages import FailedRequest, ReadReq
+
+
+def _explain(mismatch: LayoutMismatch, tp_ratio: int) -> str:
+    """A layout mismatch's message, with the likely cause when block sizes differ by
+    exactly the TP ratio: the KV heads are split over the Prefill ranks."""
+    prefill, decode = mismatch.prefill, mismatch.decode
+    if (
+        tp_ratio > 1
+        and isinstance(prefill, int)
+        and isinstance(decode, int)
+        and prefill * tp_ratio == decode
+    ):
+        return (
+            f"{mismatch.message} (each of the {tp_ratio} Prefill TP ranks per Decode rank "
+            "holds a share of the KV heads; RD2H needs the whole KV on every Prefill rank, "
+            "as with MLA, or equal Prefill and Decode TP)"
+        )
+    return mismatch.message
+
+
+def _check_source(layer: str, component: str, ids: Sequence[int], num_blocks: int | None) -> None:
+    """Prefill block ids must lie in ``[0, num_blocks)`` when the layout says ``num_blocks``."""
+    if num_blocks is not None and ids and max(ids) >= num_blocks:  # max(): no per-id Python
+        check_source_blocks(layer, component, ids, num_blocks)
+
+
+def _part(ids: Sequence[int], start: int, end: int) -> Sequence[int]:
+    """``ids[start:end]``, without a copy when that is all of ``ids``."""
+    return ids if start == 0 and end == len(ids) else ids[start:end]
+
+
+class _Serving(_ReadOutcomes):
+    """From a readiness the session admitted to its read (or its refusal)."""
+
+    # The readiness machine's PROCESS effect.
+
+    def _fx_process(self, rd: _Readiness, now: float) -> None:
+        """Out of the park: serve it now, its still-unknown requests isolated."""
+        self._serve(rd, now, allow_park=False)
+
+    def _serve(self, rd: _Readiness, now: float, *, allow_park: bool) -> None:
+        """Serve one readiness (received, or leaving the park)."""
+        msg = rd.msg
+        session = self._sessions.get(rd.session)
+        if session is None:  # only after parking: the session was forgotten meanwhile
+            self._refuse(rd, now, ErrorCode.UNKNOWN_SESSION, "the Prefill session is gone")
+            return
+        if session.state not in SESSION_READY:  # only after parking: a new handshake failed
+            code, text = session.refusal
+            self._refuse(rd, now, code, f"handshake refused: {text}")
+            return
+        rd.caps = session.caps
+        local_name = msg.layer_name
+        known = self._by_name.get(local_name)
+        if known is None:
+            self._refuse(
+                rd,
+                now,
+                ErrorCode.UNKNOWN_LAYER,
+                f"layer {local_name!r} (layer_idx {msg.layer_idx}) is not one of Decode's "
+                f"{len(self._layers)} cache-bearing layers",
+            )
+            return
+        expected, dst = known
+        if msg.layer_idx != expected:
+            self._refuse(
+                rd,
+                now,
+                ErrorCode.LAYOUT_MISMATCH,
+                f"layer_idx {msg.layer_idx} disagrees with layer name {local_name!r}, "
+                f"which is layer {expected}",
+            )
+            return
+        src = session.layers.get(msg.layer_name)
+        if src is None:
+            self._refuse(
+                rd,
+                now,
+                ErrorCode.UNKNOWN_LAYER,
+                f"layer {msg.layer_name!r} is not in the session's MF_META layout",
+            )
+            return
+        key = (msg.layer_idx, msg.layer_name)
+        comps = session.validated.get(key)
+        if comps is None:
+            try:
+                comps = validate_layer(msg.layer_name, src, dst)
+            except LayoutMismatch as exc:
+                comps = exc
+            session.validated[key] = comps
+        if isinstance(comps, LayoutMismatch):
+            self._refuse(rd, now, ErrorCode.LAYOUT_MISMATCH, _explain(comps, msg.tp_ratio))
+            return
+        if allow_park:
+            missing = {
+                ext
+                for ext in _message_ids(msg)
+                if ext not in self._requests and ext not in self._retired
+            }
+            if missing:
+                rd.missing = missing
+                rd.deadline = now + self.config.park_timeout_s
+                if rd.start_by is not None:
+                    rd.deadline = min(rd.deadline, rd.start_by)
+                if self._park_has_room(rd):
+                    self._READINESS.fire(self, rd, M_LOCAL_PARK)
+                    return
+                rd.missing = set()
+        if rd.start_by is not None and now > rd.start_by:
+            self.stats.expired_leases += 1
+            self._refuse(
+                rd,
+                now,
+                ErrorCode.LEASE_EXPIRED,
+                f"less than half of the {msg.lease_ms} ms lease was left to start the read",
+            )
+            return
+        main, indexer = comps
+        self._plan(rd, session, src, local_name, main, indexer, now)
+
+    def _plan(
+        self,
+        rd: _Readiness,
+        session: _Session,
+        src: LayerLayout,
+        local_name: str,
+        main: tuple[ComponentAddrs, ...],
+        indexer: tuple[ComponentAddrs, ...],
+        now: float,
+    ) -> None:
+        msg = rd.msg
+        counts: dict[str, int] = {}
+        for rr in msg.read_reqs:
+            counts[rr.ext_req_id] = counts.get(rr.ext_req_id, 0) + 1
+        reads: list[RequestRead] = []
+        entries: list[tuple[str, ReadReq | None]] = [(rr.ext_req_id, rr) for rr in msg.read_reqs]
+        entries += [(ext, None) for ext in _unique(msg.done_ext_ids) if ext not in counts]
+        handled: set[str] = set()
+        for ext, entry in entries:
+            if ext in handled:
+                continue
+            handled.add(ext)
+            req = self._requests.get(ext)
+            if req is None:
+                self._isolate(rd, ext, ErrorCode.UNKNOWN_REQUEST, "unknown request")
+                continue
+            read = self._REQUEST.fire(
+                self, req, R_RECV_READINESS, rd, entry, counts.get(ext, 0), src, indexer, now
+            )
+            if read is not None and (read.main_src or read.indexer_src):
+                reads.append(read)
+                rd.in_plan.append(req)
+        if not reads:
+            self._READINESS.fire(self, rd, M_LOCAL_NOTHING_TO_READ)
+            self._count_done(rd, now)
+            return
+        read_id = self._next_read_id
+        self._next_read_id += 1
+        rd.plan = ReadPlan(read_id, session.name, local_name, main, indexer, tuple(reads))
+        rd.retries_left = self.config.max_read_retries
+        for req in rd.in_plan:
+            req.in_flight += 1
+        self._reads[read_id] = rd
+        self.stats.reads_started += 1
+        self._READINESS.fire(self, rd, M_LOCAL_START_READ)
+
+    def _share(
+        self,
+        req: _Request,
+        rr: ReadReq,
+        src: LayerLayout,
+        rd: _Readiness,
+        has_indexer: bool,
+    ) -> RequestRead:
+        """This rank's blocks of one readiness entry, mapped to the request's own ids.
+
+        No id is copied when the share is the whole entry: the plan holds the message's
+        own lists and the request's own (immutable) destination ids.
+        """
+        msg, cfg = rd.msg, self.config
+        member = msg.group_member_idx
+        # One Decode rank and one contributor (the usual shape): every share is the whole
+        # entry (split_range over one rank), with no call per request.
+        whole = (cfg.d_tp == 1 or not cfg.main_shared) and msg.tp_ratio == 1
+        num_blocks = src.num_blocks
+        if num_blocks is not None and rd.ids_below is not None and rd.ids_below <= num_blocks:
+            num_blocks = None  # every Prefill id of the message is below it: checked already
+        main_ids = rr.main_block_ids
+        n = len(main_ids)
+        if whole:
+            start, end = 0, n
+        elif cfg.main_shared:
+            start, end = main_share(n, cfg.d_rank, cfg.d_tp, rr.main_start_block, member)
+        else:
+            start, end = main_share(n, 0, 1, rr.main_start_block, member)
+        main_src: Sequence[int] = ()
+        main_dst: Sequence[int] = ()
+        if member == 0:
+            base = rr.main_start_block
+            if base < 0 or base + n > len(req.main_ids):  # (the check, inlined: it raises)
+                check_destination_range(req.ext_id, "main", base, n, len(req.main_ids))
+            main_src = _part(main_ids, start, end)
+            main_dst = req.main_ids[base + start : base + end]
+            if num_blocks is not None:
+                _check_source(msg.layer_name, "main", main_src, num_blocks)
+        idx_src: Sequence[int] = ()
+        idx_dst: Sequence[int] = ()
+        if has_indexer:
+            idx_ids = rr.indexer_ids
+            n = len(idx_ids)
+            base = rr.indexer_start_block
+            if base < 0 or base + n > len(req.indexer_ids):
+                check_destination_range(req.ext_id, "indexer", base, n, len(req.indexer_ids))
+            if whole:
+                start, end = 0, n
+            else:
+                start, end = indexer_share(n, member, msg.tp_ratio, base)
+            idx_src = _part(idx_ids, start, end)
+            idx_dst = req.indexer_ids[base + start : base + end]
+            if num_blocks is not None:
+                _check_source(msg.layer_name, "indexer", idx_src, num_blocks)
+        return RequestRead(req.ext_id, main_src, main_dst, idx_src, idx_dst)
+
+    def _not_waiting(self, req: _Request) -> tuple[ErrorCode, str]:
+        """Why readiness for a request that stopped waiting is refused."""
+        if req.state == REQ_DONE:
+            return ErrorCode.UNKNOWN_REQUEST, "the request already completed on this rank"
+        if req.state == REQ_ABORTED:
+            return ErrorCode.ABORTED, "the request was aborted"
+        if req.state == REQ_RELEASE_PENDING:
+            return ErrorCode.ABORTED, "the request was released"
+        return req.fail_code, f"the request already failed: {req.fail_message}"
+
+    def _isolate(self, rd: _Readiness, ext: str, code: ErrorCode, text: str) -> None:
+        self.stats.isolated_requests += 1
+        rd.isolated.append(FailedRequest(ext, int(code), _clip(text)))
+
+    # The request machine's RECV_READINESS effects: (req, rd, entry, count, src, indexer,
+    # now) -> the request's share of the read, or None (nothing to read for it).
+
+    def _fx_isolate(self, req: _Request, rd: _Readiness, *_context: Any) -> None:
+        """The request stopped waiting: leave it out of the read, report it alone."""
+        self._isolate(rd, req.ext_id, *self._not_waiting(req))
+
+    def _fx_accept(
+        self,
+        req: _Request,
+        rd: _Readiness,
+        entry: ReadReq | None,
+        count: int,
+        src: LayerLayout,
+        indexer: tuple[ComponentAddrs, ...],
+        now: float,
+    ) -> RequestRead | None:
+        """Take the readiness for the request: its entry must be sound (named once, the
+        same ``tp_ratio``, a destination range that fits, source ids within the layout),
+        else the request is isolated and fails (``LOCAL_FAIL``)."""
+        msg = rd.msg
+        try:
+            if count > 1:
+                raise RemoteProtocolError("the request appears more than once in the message")
+            if req.contributors is not None:
+                req.contributors.check_ratio(msg.tp_ratio)
+            read = None if entry is None else self._share(req, entry, src, rd, bool(indexer))
+        except ProtocolError as exc:
+            self._isolate(rd, req.ext_id, exc.code, exc.message)
+            self._request_event(req, R_LOCAL_FAIL, now, exc.code, exc.message)
+            return None
+        self._touch(req, now)
+        req.sessions.add(rd.session)
+        if req.contributors is None:
+            req.contributors = ContributorSet(msg.tp_ratio)
+        rd.accepted.append(req)
+        return read
