@@ -71,8 +71,9 @@ The modules, read top-down
 :mod:`.endpoint`      :class:`ProducerEndpoint`: the public inputs and views, and each
                       table's effects bound to their handlers
 
-Each module's class derives from the ones before it (:mod:`.state` says how); the effect
-handlers reach one another only through the tables.
+Each module's class derives from the classes whose methods it calls (:mod:`.state` says
+in what order), so :class:`ProducerEndpoint` is all of them; the effect handlers reach
+one another only through the tables.
 """
 
 from __future__ import annotations
