@@ -107,7 +107,7 @@ _SKIP: Final[dict[str, frozenset[str]]] = {
             "_aborted_to",
         }
     ),
-    "rd2h_protocol.producer.ProducerEndpoint": frozenset(
+    "rd2h_protocol.producer.endpoint.ProducerEndpoint": frozenset(
         {
             "config",
             "stats",
@@ -138,10 +138,10 @@ _SKIP: Final[dict[str, frozenset[str]]] = {
         }
     ),
     # history only tells a stale reply from a duplicate one (a counter); next_seq is a label.
-    "rd2h_protocol.producer._Conn": frozenset({"history", "next_seq", "refusal"}),
-    "rd2h_protocol.producer._Pub": frozenset({"sent_at"}),  # for latency metrics only
+    "rd2h_protocol.producer.records._Conn": frozenset({"history", "next_seq", "refusal"}),
+    "rd2h_protocol.producer.records._Pub": frozenset({"sent_at"}),  # for latency metrics only
     # Failure texts are reported, never acted on.
-    "rd2h_protocol.producer._Request": frozenset({"message"}),
+    "rd2h_protocol.producer.records._Request": frozenset({"message"}),
     "rd2h_protocol.consumer.records._Request": frozenset({"fail_message"}),
     # The reply memory is written by _canon_world, only where it can still be asked.
     "rd2h_protocol.consumer.records._Session": frozenset(
@@ -156,8 +156,8 @@ _SKIP: Final[dict[str, frozenset[str]]] = {
 }
 # Attributes that hold references to records kept elsewhere: written as their key.
 _REFS: Final[dict[str, dict[str, str]]] = {
-    "rd2h_protocol.producer._Pub": {"conn": "name", "requests": "ext_id"},
-    "rd2h_protocol.producer._Request": {"conn": "name"},
+    "rd2h_protocol.producer.records._Pub": {"conn": "name", "requests": "ext_id"},
+    "rd2h_protocol.producer.records._Request": {"conn": "name"},
     "rd2h_protocol.consumer.records._Readiness": {"accepted": "ext_id", "in_plan": "ext_id"},
 }
 _ATOMIC: Final = frozenset({str, int, bytes, bool, type(None)})

@@ -22,8 +22,10 @@ import msgspec
 
 import rd2h_protocol.completion as completion_module
 import rd2h_protocol.consumer as consumer_module
+import rd2h_protocol.consumer.records as consumer_records_module
 import rd2h_protocol.plan as plan_module
 import rd2h_protocol.producer as producer_module
+import rd2h_protocol.producer.records as producer_records_module
 from rd2h_protocol.checker.model import (
     Addr,
     Frame,
@@ -151,7 +153,14 @@ def _dispatch_table() -> dict[type, _Reducer]:
             CompletionStats: _fresh,
         }
     )
-    for module in (producer_module, consumer_module, completion_module, plan_module):
+    for module in (
+        producer_module,
+        producer_records_module,
+        consumer_module,
+        consumer_records_module,
+        completion_module,
+        plan_module,
+    ):
         for value in vars(module).values():
             if isinstance(value, type) and value not in table:
                 reducer = _positional(value)

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 
-from rd2h_protocol import producer as producer_module
 from rd2h_protocol.checker.canonical import fingerprint
 from rd2h_protocol.checker.cli import main
 from rd2h_protocol.checker.configs import CONFIGS
@@ -40,6 +39,7 @@ from rd2h_protocol.machines.producer import (
     GATE_OPEN,
     STORAGE_GATE,
 )
+from rd2h_protocol.producer import ProducerEndpoint
 from rd2h_protocol.wire.codec import encode
 from rd2h_protocol.wire.layout import (
     ComponentDest,
@@ -222,9 +222,8 @@ def plant_early_gate(monkeypatch: pytest.MonkeyPatch) -> None:
     decls.append({"trigger": G_RECV_REPLY, "source": GATE_OPEN, "dest": GATE_OPEN})
     decls.append({"trigger": G_RECV_LAST_REPLY, "source": GATE_OPEN, "dest": GATE_OPEN})
     planted = replace(STORAGE_GATE, transitions=tuple(decls))
-    monkeypatch.setattr(producer_module, "STORAGE_GATE", planted)
-    # The endpoint fires the table bound to its handlers at import: bind the planted one.
-    monkeypatch.setattr(producer_module, "_GATE", planted.bind(producer_module._GATE.handlers))
+    # The endpoint fires the table its class binds to its handlers: bind the planted one.
+    monkeypatch.setattr(ProducerEndpoint, "_GATE", planted.bind(ProducerEndpoint._GATE.handlers))
 
 
 def plant_first_contributor_completes(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -14,7 +14,6 @@ from typing import Any
 import msgpack
 import pytest
 
-import rd2h_protocol.producer as producer_module
 from rd2h_protocol.errors import (
     ConfigError,
     ErrorCode,
@@ -1553,7 +1552,7 @@ def test_input_no_table_allows_declares_the_peer_dead(monkeypatch: pytest.Monkey
         if not (d["trigger"] == C_RECV_ACK_V2 and d["source"] == CONN_READY_V2)
     )
     planted = replace(CONNECTION_HANDSHAKE, transitions=decls)
-    monkeypatch.setattr(producer_module, "_CONN", planted.bind(producer_module._CONN.handlers))
+    monkeypatch.setattr(ProducerEndpoint, "_CONN", planted.bind(ProducerEndpoint._CONN.handlers))
     ep = endpoint(1)
     one_request_ready(ep)
     out = ep.receive(CONN, ack_v2(), 2.0)

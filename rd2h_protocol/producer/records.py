@@ -1,0 +1,76 @@
+"""The Prefill endpoint's private records: one per instance of a machine in
+:mod:`rd2h_protocol.machines.producer`.
+
+A :class:`_Gate` per storage slot, a :class:`_Conn` per Decode endpoint (its handshake),
+a :class:`_Request` per Prefill request and a :class:`_Pub` per layer publication. Each
+record's ``state`` is the state of its machine; only the tables change it. The model
+checker snapshots these records field by field (:mod:`rd2h_protocol.checker`).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from rd2h_protocol.errors import ErrorCode
+from rd2h_protocol.machines.producer import CONN_IDLE, GATE_OPEN, PUB_QUEUED
+from rd2h_protocol.topology import Contributor
+from rd2h_protocol.wire.messages import ReadReq
+
+
+@dataclass(slots=True, eq=False)
+class _Gate:
+    state: str = GATE_OPEN
+    outstanding: int = 0
+
+
+@dataclass(slots=True, eq=False)
+class _Conn:
+    name: str
+    host: str
+    port: int
+    d_tp: int
+    contributor: Contributor
+    state: str = CONN_IDLE
+    connected: bool = False
+    caps: frozenset[str] = frozenset()
+    next_seq: int = 0
+    sent: dict[int, _Pub] = field(default_factory=dict)  # seq -> publication, send order
+    queue: list[_Pub] = field(default_factory=list)  # waiting for the handshake
+    pending_aborts: list[str] = field(default_factory=list)  # waiting for the handshake
+    history: OrderedDict[int, tuple[int, str]] = field(default_factory=OrderedDict)
+    handshake_token: int = -1
+    refusals: int = 0  # consecutive refused handshakes
+    retry_at: float = 0.0  # a refused connection is tried again from then on
+    refusal: str = ""  # why the peer refused, for the requests failed meanwhile
+    reconnect: bool = False  # declared dead: the next handshake starts with a Connect
+    last_heard: float = float("-inf")  # now of the last frame from it (silent peers)
+
+
+@dataclass(slots=True, eq=False)
+class _Request:
+    ext_id: str
+    conn: _Conn
+    state: str
+    outstanding: int = 0  # live publications that name this request
+    chunk: ReadReq | None = None  # this step's blocks
+    aborted_toward_peer: bool = False  # an ABORT naming it was emitted (not just queued)
+    code: ErrorCode = ErrorCode.UNKNOWN
+    message: str = ""
+
+
+@dataclass(slots=True, eq=False)
+class _Pub:
+    uid: int
+    conn: _Conn
+    layer_idx: int
+    slots: tuple[int, ...]
+    read_reqs: list[ReadReq]
+    done_ids: list[str]
+    requests: tuple[_Request, ...]
+    deadline: float
+    state: str = PUB_QUEUED
+    seq: int | None = None  # key in conn.sent while on the wire
+    sent_at: float = 0.0  # now of the last Send of its readiness
+    abort_ids: list[str] = field(default_factory=list)  # held: the ABORT it waits for
+    held_at: float = 0.0  # now when it was held (silent peers)

@@ -1,0 +1,88 @@
+"""The Prefill request machine's effects: a request scheduled, failed, aborted, finished.
+
+A request is finished (:class:`RequestFinished`, then forgotten) only once no live
+publication names it: :meth:`_Requests._maybe_drain` is called wherever that count drops.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+from rd2h_protocol.errors import ErrorCode, RemoteProtocolError
+from rd2h_protocol.events import Chunk, RequestFinished
+from rd2h_protocol.machines.producer import (
+    R_LOCAL_DRAINED,
+    R_RECV_ABORT,
+    REQ_ABORTING,
+    REQ_COMPLETE,
+    REQ_FAILING,
+    REQ_FINAL_SENT,
+    REQ_PUBLISHING,
+)
+from rd2h_protocol.producer.config import Output
+from rd2h_protocol.producer.records import _Conn, _Request
+from rd2h_protocol.producer.state import _ProducerState
+from rd2h_protocol.wire.messages import Abort, ReadReq
+
+# Request states that end as soon as no live publication names the request.
+_DRAINABLE: Final = frozenset({REQ_FINAL_SENT, REQ_FAILING, REQ_ABORTING})
+# Request states whose blocks Decode may still be asked to read.
+_STILL_READ: Final = frozenset({*REQ_PUBLISHING, REQ_FINAL_SENT})
+
+
+class _Requests(_ProducerState):
+    """Effects of :data:`~rd2h_protocol.machines.producer.PREFILL_REQUEST`."""
+
+    # The request machine's chunk effects: (req, chunk, main, indexer); ``ignore``: the
+    # scheduler does not know we stopped, its chunks for an ending request are moot.
+
+    def _fx_schedule(
+        self, req: _Request, chunk: Chunk, main: list[int], indexer: list[int]
+    ) -> None:
+        if main or indexer:
+            req.chunk = ReadReq(req.ext_id, main, indexer, chunk.main_start, chunk.indexer_start)
+        self._step.setdefault(req.conn.name, {})[req.ext_id] = req
+        self._step_count += 1
+
+    def _fx_send_abort(self, req: _Request, reason: str, by_conn: dict[str, list[str]]) -> None:
+        """Our abort: record it and tell the peer (one ABORT per connection, by the caller)."""
+        req.code, req.message = ErrorCode.ABORTED, reason
+        by_conn.setdefault(req.conn.name, []).append(req.ext_id)
+
+    def _fail(self, req: _Request, event: str, code: ErrorCode, message: str) -> None:
+        self._REQUEST.fire(self, req, event, code, message)
+
+    def _fx_record_failure(self, req: _Request, code: ErrorCode, message: str) -> None:
+        """The first reason to stop is the one reported (later ones stay: no effect)."""
+        req.code, req.message = code, message
+
+    def _maybe_drain(self, req: _Request, out: list[Output]) -> None:
+        if req.outstanding or req.state not in _DRAINABLE:
+            return
+        self._REQUEST.fire(self, req, R_LOCAL_DRAINED, out)
+
+    def _fx_finish(self, req: _Request, out: list[Output]) -> None:
+        """Drained: no publication names it any more; RequestFinished frees its blocks."""
+        ok = req.state == REQ_COMPLETE
+        del self._requests[req.ext_id]
+        step = self._step.get(req.conn.name)
+        if step is not None and step.pop(req.ext_id, None) is not None:
+            self._step_count -= 1
+        if ok:
+            out.append(RequestFinished(req.ext_id, True, None, ""))
+        else:
+            out.append(RequestFinished(req.ext_id, False, req.code, req.message))
+
+    def _on_abort(self, conn: _Conn, msg: Abort, out: list[Output]) -> None:
+        self.stats.aborts_received += 1
+        for ext_id in msg.ext_ids:
+            req = self._requests.get(ext_id)
+            if req is None or req.conn is not conn:
+                continue  # finished already, or not this peer's request to abort
+            self._REQUEST.fire(self, req, R_RECV_ABORT, conn, msg, error=RemoteProtocolError)
+            self._maybe_drain(req, out)
+
+    def _fx_stop(self, req: _Request, conn: _Conn, msg: Abort) -> None:
+        """The Decode aborted it: stop publishing it (nothing to tell the peer)."""
+        req.code = ErrorCode.ABORTED
+        req.message = f"aborted by Decode {conn.name}: {msg.reason}"
