@@ -35,6 +35,8 @@ class LoopbackBackend(TransferBackend):
 
     name: ClassVar[str] = "loopback"
     option_names: ClassVar[tuple[str, ...]] = ()
+    # memmove on the calling thread: 64 KiB (a 1x16 layer of 4 KiB blocks) in ~0.1 ms.
+    inline_read_bytes: ClassVar[int] = 64 << 10
 
     def __init__(self, *, role: str, host: str = "127.0.0.1", **options: Any) -> None:
         self._check_options(options)
