@@ -24,7 +24,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any, Final, Generic, TypeVar
+from typing import Any, Final, Generic, TypeVar, cast
 
 import zmq
 
@@ -494,7 +494,7 @@ def has_input(sock: zmq.Socket[bytes]) -> bool:
     nothing raises ``zmq.Again``, which costs pyzmq about three times this check, and every
     turn would end with one.
     """
-    return bool(sock.getsockopt(zmq.EVENTS) & zmq.POLLIN)
+    return bool(cast(int, sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
 
 
 def _drain(sock: zmq.Socket[bytes]) -> None:
