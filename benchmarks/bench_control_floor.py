@@ -13,7 +13,9 @@ answer a readiness faster than that.
 THE LAYER is one :class:`~rd2h_runtime.prefill.PrefillWorker` and one
 :class:`~rd2h_runtime.decode.DecodeWorker` in this process on real ZMQ sockets, with the
 no-copy backend of ``benchmarks.bench_control_plane`` (the base class's checks run, the
-engine moves nothing). Two costs per layer:
+engine moves nothing, so it declares every read short: Decode runs it on its I/O thread,
+as it would a real engine's read of at most that engine's ``inline_read_bytes``; the
+breakdown's last line says where the reads ran). Two costs per layer:
 
 * Decode round trip: the readiness frame handed to the Prefill socket -> its reply
   handed to the Prefill endpoint (the floor plus everything Decode does);
