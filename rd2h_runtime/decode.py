@@ -387,8 +387,8 @@ class DecodeWorker(EndpointWorker[Output, Outcome, bytes, ServerEvent]):
         see the module's docstring). True means ``_read_serial`` is now held for it."""
         return (
             self._pending_reads == 1  # this read only: none queued or running before it
-            and item.plan.total_bytes <= self._backend.inline_read_bytes
             and self._control.on_io_thread()
+            and item.plan.total_bytes <= self._backend.inline_read_bytes
             and self._read_serial.acquire(blocking=False)
         )
 
