@@ -13,9 +13,7 @@ answer a readiness faster than that.
 THE LAYER is one :class:`~rd2h_runtime.prefill.PrefillWorker` and one
 :class:`~rd2h_runtime.decode.DecodeWorker` in this process on real ZMQ sockets, with the
 no-copy backend of ``benchmarks.bench_control_plane`` (the base class's checks run, the
-engine moves nothing, so it declares every read short: Decode runs it on its I/O thread,
-as it would a real engine's read of at most that engine's ``inline_read_bytes``; the
-breakdown's last line says where the reads ran). Two costs per layer:
+engine moves nothing). Two costs per layer:
 
 * Decode round trip: the readiness frame handed to the Prefill socket -> its reply
   handed to the Prefill endpoint (the floor plus everything Decode does);
@@ -120,7 +118,6 @@ class Probe:
     def __init__(self) -> None:
         self.marks: dict[str, float] = {}
         self.sizes: dict[str, int] = {}
-        self.read_threads: set[str] = set()  # the threads Decode ran its reads on
 
     def wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         marks = self.marks
@@ -147,16 +144,7 @@ def instrument(pair: Pair, probe: Probe) -> None:
     d_ep.read_finished = probe.wrap("D read_finished", d_ep.read_finished)
     d._planner = probe.wrap("D plan", d._planner)
     backend: Any = d._backend
-    timed_read = probe.wrap("D engine", backend.read)
-
-    def read(*args: Any, **kwargs: Any) -> None:
-        name = threading.current_thread().name
-        probe.read_threads.add(
-            "I/O thread" if name.startswith("rd2h-control-router") else "read worker"
-        )
-        timed_read(*args, **kwargs)
-
-    backend.read = read
+    backend.read = probe.wrap("D engine", backend.read)
     p_send, d_send = p._send, d._send
 
     def send_readiness(conn: str, payload: bytes) -> None:
@@ -169,8 +157,8 @@ def instrument(pair: Pair, probe: Probe) -> None:
         probe.sizes["reply"] = len(payload)
         d_send(peer, payload)
 
-    p._send = send_readiness  # type: ignore[method-assign,assignment]
-    d._send = send_reply  # type: ignore[method-assign,assignment]
+    p._send = send_readiness  # type: ignore[method-assign]
+    d._send = send_reply  # type: ignore[method-assign]
     # the I/O threads: when a frame is handed to ZMQ (after the wake-up from the thread
     # that queued it), and when a readable socket is served
     client: Any = p._control
@@ -199,14 +187,14 @@ TIMELINE = (
     ("P hop: compute -> I/O (wake-up)", "P send>", "P zmq send>"),
     ("P->D: TCP, D poll, recv", "P zmq send>", "D frame>"),
     ("D frame: decode, validate, plan", "D frame>", "D frame<"),
-    ("D frame -> read (a hop off inline)", "D frame<", "D plan>"),
+    ("D hop: I/O -> read worker", "D frame<", "D plan>"),
     ("D descriptors", "D plan>", "D plan<"),
     ("D checks before the engine", "D plan<", "D engine>"),
     ("D engine call (no-copy)", "D engine>", "D engine<"),
     ("D hop: engine -> read_finished", "D engine<", "D read_finished>"),
     ("D read_finished", "D read_finished>", "D read_finished<"),
     ("D encode reply", "D read_finished<", "D send>"),
-    ("D reply queued -> handed to ZMQ", "D send>", "D zmq send>"),
+    ("D hop: read worker -> I/O (wake)", "D send>", "D zmq send>"),
     ("D->P: TCP, P poll, recv", "D zmq send>", "P reply>"),
     ("P reply handling", "P reply>", "P reply<"),
     ("P hop: I/O -> compute thread", "P reply<", "gate"),
@@ -215,9 +203,9 @@ TIMELINE = (
 
 def measure_layer(
     requests: int, blocks: int, contiguous: bool, repeats: int
-) -> tuple[list[float], list[float], dict[str, float], dict[str, int], set[str]]:
+) -> tuple[list[float], list[float], dict[str, float], dict[str, int]]:
     """Per-layer (Decode round trip, publish -> gate reopen) samples, the median of each
-    TIMELINE interval, the frame sizes and the threads Decode ran the reads on."""
+    TIMELINE interval, and the frame sizes."""
     probe = Probe()
     pair = Pair(build_descriptors, requests, blocks, contiguous=contiguous, seed=0)
     try:
@@ -244,7 +232,7 @@ def measure_layer(
                     parts[label].append(marks[b] - marks[a])
             pair.prefill.end_step()
         medians = {label: statistics.median(v) for label, v in parts.items()}
-        return round_trips, gates, medians, dict(probe.sizes), probe.read_threads
+        return round_trips, gates, medians, dict(probe.sizes)
     finally:
         pair.close()
 
@@ -395,19 +383,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     rows = []
     breakdowns = []
-    read_threads: dict[str, set[str]] = {}
     missed = []
     for requests, blocks in SHAPES:
         for contiguous in (False, True):
-            rts, gates, parts, sizes, threads = measure_layer(
-                requests, blocks, contiguous, args.repeats
-            )
+            rts, gates, parts, sizes = measure_layer(requests, blocks, contiguous, args.repeats)
             floor = socket_floor(sizes["readiness"], sizes["reply"], args.floor_repeats)
             rt, gate = statistics.median(rts), statistics.median(gates)
             shape = f"{requests}x{blocks} {'contig' if contiguous else 'random'}"
             rows.append((shape, sizes["readiness"], sizes["reply"], floor, rt, gate))
             breakdowns.append((shape, parts))
-            read_threads[shape] = threads
             kind, rt_goal, gate_goal = GOALS[(requests, blocks)]
             if contiguous and (requests, blocks) == (64, 256):
                 continue  # the 64x256 goals name the random layer
@@ -434,8 +418,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     for label, _, _ in TIMELINE:
         cells = "".join(f"{fmt_ms(parts[label]):>16}" for _, parts in breakdowns)
         print(f"{label:<34}{cells}")
-    ran_on = "".join(f"{'+'.join(sorted(read_threads[shape])):>16}" for shape, _ in breakdowns)
-    print(f"{'D read ran on (thread)':<34}{ran_on}")
 
     print(
         "\nDecode handling of one random readiness of a v1 session (receive + "

@@ -60,8 +60,6 @@ class NoopBackend(TransferBackend):
     """A backend whose engine moves nothing: only the base class's checks run."""
 
     name: ClassVar[str] = "noop"
-    # Moves nothing on the calling thread: any read is as short as its checks.
-    inline_read_bytes: ClassVar[int] = sys.maxsize
 
     def __init__(self, *, role: str, host: str = HOST, **options: Any) -> None:
         super().__init__(role=role, host=host)

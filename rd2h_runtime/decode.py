@@ -8,34 +8,23 @@ a read worker thread and a :class:`~rd2h_runtime.transfer.TransferBackend` in wh
 rank's destinations are registered. It takes no protocol decision: it passes
 ``time.monotonic()`` as ``now`` and executes the endpoint's outputs in order --
 :class:`~rd2h_protocol.consumer.Reply` / :class:`~rd2h_protocol.consumer.SendAbort` go to
-the ROUTER, :class:`~rd2h_protocol.consumer.StartRead` goes to the read worker's queue
-(or is kept for the I/O thread, see below),
+the ROUTER, :class:`~rd2h_protocol.consumer.StartRead` goes to the read worker's queue,
 :class:`~rd2h_protocol.consumer.RequestDone` / :class:`~rd2h_protocol.consumer.RequestFailed`
 / :class:`~rd2h_protocol.consumer.Releasable` are recorded for the caller -- and hands the
 endpoint's next deadline to the ROUTER's timer.
 
-A plan is turned into descriptors (:func:`~rd2h_runtime.planning.build_descriptors`) and
-read, bounded by ``read_timeout_s`` and by the plan's ``finish_by`` (receipt plus lease,
-after which Prefill may reuse the storage); the outcome goes back to the endpoint with
-``read_finished``. The socket loop runs no read that could hold it (departure 7): a read
-runs on the read worker, so ACKs, replies and ABORTs for other peers keep flowing while
-it runs -- unless it is short for sure: a read the I/O thread's own frame started, of at
-most the backend's ``inline_read_bytes`` (a backend whose engine works on the calling
-thread and moves that much in well under a millisecond; 0, never, for engines with a
-thread or a call that can outlive its timeout), while no other read is queued or
-running, runs on the I/O thread right after that frame, and its reply goes out on the same
-turn of the loop. That saves two thread hand-offs (I/O thread -> read worker -> I/O
-thread), each a wake-up plus a wait for the GIL, which cost a small layer more than its
-socket round trip. Reads run one at a time either way (``_read_serial``). A read whose
-``start_by`` passed before its turn is not started: it is reported as a
-``LEASE_EXPIRED`` failure, as the endpoint asks.
+The socket loop never runs a read (departure 7): a plan is turned into descriptors
+(:func:`~rd2h_runtime.planning.build_descriptors`) and read on the read worker, bounded by
+``read_timeout_s`` and by the plan's ``finish_by`` (receipt plus lease, after which
+Prefill may reuse the storage); the outcome goes back to the endpoint with
+``read_finished``. So ACKs, replies and ABORTs for other peers keep flowing while a read
+runs. A read whose ``start_by`` passed before the worker got to it is not started: it is
+reported as a ``LEASE_EXPIRED`` failure, as the endpoint asks.
 
 Three threads call into the endpoint (the caller, the I/O thread, the read worker); ONE
 lock serialises every call together with the execution of its outputs, which never
 block (the ROUTER queues frames, the read queue is unbounded and holds at most one plan
-per readiness message; a read kept for the I/O thread runs after the lock is released).
-Lock order: this worker's lock, then the server's internal lock (``_read_serial`` is only
-ever tried, never waited for, under it).
+per readiness message). Lock order: this worker's lock, then the server's internal lock.
 The lock, the calls, the trace and the lifecycle are
 :class:`~rd2h_runtime.worker.EndpointWorker`'s.
 
@@ -46,7 +35,6 @@ Prefill never reuses storage under a read that might still report success.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools
 import logging
@@ -134,7 +122,7 @@ class Outcome:
 
 @dataclass(frozen=True, slots=True)
 class ReadRecord:
-    """One batched read as it ran (for per-layer metrics).
+    """One batched read as the read worker ran it (for per-layer metrics).
 
     ``nbytes`` and ``descriptors`` are 0 when the read failed before it was planned;
     ``error`` is None on success.
@@ -173,8 +161,6 @@ class DecodeWorker(EndpointWorker[Output, Outcome, bytes, ServerEvent]):
     called (outside the lock) with every :class:`Outcome`; outcomes are also kept until
     :meth:`release`, for :meth:`wait_finished`. ``planner`` turns a read plan into the
     descriptors of one batched read (benchmarks swap in a baseline to compare).
-    ``on_read`` gets each read's :class:`ReadRecord` on the thread that ran it (the read
-    worker, or the I/O thread for a short read), outside the lock: it must be quick.
     """
 
     _ROLE = "Decode"
@@ -212,12 +198,8 @@ class DecodeWorker(EndpointWorker[Output, Outcome, bytes, ServerEvent]):
         self._outcomes: dict[str, Outcome] = {}
         self._releasable: set[str] = set()
         self._reads: queue.SimpleQueue[StartRead | None] = queue.SimpleQueue()
-        self._pending_reads = 0  # queued, kept for the I/O thread, or running (lock held)
-        # Reads _apply kept for the I/O thread to run after the event (I/O thread only);
-        # each holds _read_serial, taken when it was kept.
-        self._inline_reads: collections.deque[StartRead] = collections.deque()
-        # Held while a read runs, by whichever thread runs it: one read at a time.
-        self._read_serial = threading.Lock()
+        self._pending_reads = 0
+        self._last_read: ReadRecord | None = None  # the read worker's own, no lock
         self.metrics = DecodeMetrics()
         # peer -> (when its refused input was last logged, refusals held back since)
         self._refusals_logged: OrderedDict[bytes, tuple[float, int]] = OrderedDict()
@@ -361,10 +343,7 @@ class DecodeWorker(EndpointWorker[Output, Outcome, bytes, ServerEvent]):
                 self._send(out.peer, encode(out.msg))
             elif isinstance(out, StartRead):
                 self._pending_reads += 1
-                if self._runs_inline(out):
-                    self._inline_reads.append(out)
-                else:
-                    self._reads.put(out)
+                self._reads.put(out)
             elif isinstance(out, RequestDone):
                 reported.append(Outcome(out.ext_req_id, True, at=time.monotonic()))
             elif isinstance(out, RequestFailed):
@@ -381,21 +360,6 @@ class DecodeWorker(EndpointWorker[Output, Outcome, bytes, ServerEvent]):
             self._outcomes.setdefault(outcome.ext_req_id, outcome)
             wake = True
         return reported, wake
-
-    def _runs_inline(self, item: StartRead) -> bool:
-        """Whether the I/O thread runs this read itself, right after its event (lock held;
-        see the module's docstring). True means ``_read_serial`` is now held for it."""
-        return (
-            self._pending_reads == 1  # this read only: none queued or running before it
-            and self._control.on_io_thread()
-            and item.plan.total_bytes <= self._backend.inline_read_bytes
-            and self._read_serial.acquire(blocking=False)
-        )
-
-    def _on_event(self, event: ServerEvent) -> None:
-        super()._on_event(event)
-        while self._inline_reads:  # kept by this event's outputs (or a previous read's)
-            self._run_read(self._inline_reads.popleft())
 
     def _handle(self, event: ServerEvent, now: float) -> list[Outcome]:
         """The ROUTER's I/O thread: frames, timers, delivery failures."""
@@ -454,36 +418,27 @@ class DecodeWorker(EndpointWorker[Output, Outcome, bytes, ServerEvent]):
             item = self._reads.get()
             if item is None:
                 return
-            self._read_serial.acquire()
-            self._run_read(item)
-
-    def _run_read(self, item: StartRead) -> None:
-        """Run a read whose turn holds ``_read_serial``, let go of it, hand the outcome to
-        the endpoint and report what that finished (read worker or I/O thread)."""
-        try:
-            error, record = self._read(item)
+            error = self._read(item)
             if error is not None:
                 self._outlive(item.plan.read_id)
-        finally:
-            self._read_serial.release()
-        self._observe_read(record)
-        reported: list[Outcome] = []
-        try:
-            with self._lock:
-                self._pending_reads -= 1
-                if self._closed:
-                    return
-                read_id = item.plan.read_id
-                outs = self._traced(
-                    functools.partial(self._endpoint.read_finished, read_id, error),
-                    time.monotonic(),
-                    "read_finished",
-                    None if self._tracer is None else {"read_id": read_id, "error": error},
-                )
-                reported = self._execute(outs)
-        except Exception as exc:
-            self._caught(exc, "error after read %d", item.plan.read_id)
-        self._report(reported)
+            self._observe_read()
+            reported: list[Outcome] = []
+            try:
+                with self._lock:
+                    self._pending_reads -= 1
+                    if self._closed:
+                        continue
+                    read_id = item.plan.read_id
+                    outs = self._traced(
+                        functools.partial(self._endpoint.read_finished, read_id, error),
+                        time.monotonic(),
+                        "read_finished",
+                        None if self._tracer is None else {"read_id": read_id, "error": error},
+                    )
+                    reported = self._execute(outs)
+            except Exception as exc:
+                self._caught(exc, "error after read %d", item.plan.read_id)
+            self._report(reported)
 
     def _outlive(self, read_id: int) -> None:
         """Wait until no engine call of a failed read can still write the destination.
@@ -510,14 +465,14 @@ class DecodeWorker(EndpointWorker[Output, Outcome, bytes, ServerEvent]):
                 waited,
             )
 
-    def _read(self, item: StartRead) -> tuple[TransferError | None, ReadRecord | None]:
-        """Run one plan: the error to report (None on success) and the read's record (None
-        when it was not started). Never raises."""
+    def _read(self, item: StartRead) -> TransferError | None:
+        """Run one plan; the error to report, or None on success. Never raises."""
         plan = item.plan
+        self._last_read = None
         now = time.monotonic()
         if not item.may_start(now):
             self.metrics.reads_not_started += 1
-            return item.not_started(now), None
+            return item.not_started(now)
         nbytes = ndesc = 0
         start = time.monotonic()
         try:
@@ -578,12 +533,14 @@ class DecodeWorker(EndpointWorker[Output, Outcome, bytes, ServerEvent]):
             self.metrics.read_bytes += nbytes
             self.metrics.descriptors += ndesc
         end = time.monotonic()
+        self._last_read = ReadRecord(plan.layer_name, nbytes, ndesc, end - start, error)
         if self._tracer is not None:
             self._tracer.read(plan.read_id, plan.layer_name, start, end, nbytes, ndesc, error)
-        return error, ReadRecord(plan.layer_name, nbytes, ndesc, end - start, error)
+        return error
 
-    def _observe_read(self, record: ReadRecord | None) -> None:
-        """Hand the read just run to ``on_read`` (the thread that ran it, no lock held)."""
+    def _observe_read(self) -> None:
+        """Hand the read just run to ``on_read`` (read worker thread, no lock held)."""
+        record, self._last_read = self._last_read, None
         if record is None or self._on_read is None:
             return
         try:

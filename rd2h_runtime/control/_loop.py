@@ -190,10 +190,6 @@ class IOLoop(Generic[EventT]):
         """True between a successful ``start()`` and ``close()`` while the I/O thread lives."""
         return self._state == "running" and not self._dead
 
-    def on_io_thread(self) -> bool:
-        """Whether the caller is this set's I/O thread (e.g. its handler). Thread-safe."""
-        return threading.get_ident() == self._io_ident
-
     def close(self, timeout: float | None = None) -> None:
         """Stop the I/O thread, close every socket and the context this set owns. Idempotent.
 
@@ -236,6 +232,9 @@ class IOLoop(Generic[EventT]):
         if self._state != "running" or self._dead:
             why = "failed" if self._fatal is not None else self._state
             raise ControlClosed(f"{self._describe()}: not running ({why})")
+
+    def _on_io_thread(self) -> bool:
+        return threading.get_ident() == self._io_ident
 
     def _wake_locked(self) -> None:
         """Make the loop's poll return soon. Call with _lock held."""

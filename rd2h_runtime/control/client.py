@@ -165,7 +165,7 @@ class PrefillControlClient(IOLoop[ClientEvent]):
         return c
 
     def _wake_if_needed(self) -> None:
-        if not self.on_io_thread():  # the loop runs its commands and flush after the handler
+        if not self._on_io_thread():  # the loop runs its commands and flush after the handler
             self._wake_locked()
 
     # --- hooks (I/O thread) -------------------------------------------------------------------

@@ -102,7 +102,7 @@ class DecodeControlServer(IOLoop[ServerEvent]):
                 self._stats.queue_full += 1
                 raise QueueFull(f"{self._describe()} replies", self._options.outgoing_capacity)
             self._outbox.append((peer, payload))
-            if not self.on_io_thread():  # on the I/O thread, the loop flushes after the handler
+            if not self._on_io_thread():  # on the I/O thread, the loop flushes after the handler
                 self._wake_locked()
 
     # --- hooks --------------------------------------------------------------------------------

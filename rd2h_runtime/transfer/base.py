@@ -271,12 +271,6 @@ class TransferBackend(abc.ABC):
     name: ClassVar[str]
     #: options the constructor accepts besides role and host (for the error message)
     option_names: ClassVar[tuple[str, ...]] = ()
-    #: The largest read (in bytes) a caller may run on a thread that must stay responsive
-    #: (Decode's socket loop). A backend sets it only when its engine works on the calling
-    #: thread (nothing runs on after :meth:`read` returns or times out, so :meth:`quiesce`
-    #: has nothing to wait for) and a read this size takes well under a millisecond here.
-    #: 0: every read runs on a worker thread.
-    inline_read_bytes: ClassVar[int] = 0
 
     def __init__(self, *, role: str, host: str = "127.0.0.1") -> None:
         self.role = normalise_role(role)
