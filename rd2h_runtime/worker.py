@@ -7,10 +7,10 @@ on it) serialises every call into the endpoint together with the execution of it
 outputs, so the outputs of one call are executed before any other call starts; each call
 gets ``time.monotonic()`` as ``now`` (:meth:`~EndpointWorker._call`). The trace records
 every call with its outputs, or the error it raised (:meth:`~EndpointWorker._traced`).
-After the outputs, the waiters are woken and the endpoint's next deadline is handed to
-the control channel's timer. What a call reports to the caller's callback
-(:class:`~rd2h_protocol.producer.RequestFinished` on Prefill,
-:class:`~rd2h_runtime.decode.Outcome` on Decode) is reported outside the lock. An
+After the outputs, the endpoint's next deadline is handed to the control channel's
+timer, then the waiters are woken (last, just before the lock is released). What a call
+reports to the caller's callback (:class:`~rd2h_protocol.producer.RequestFinished` on
+Prefill, :class:`~rd2h_runtime.decode.Outcome` on Decode) is reported outside the lock. An
 exception on a thread that carries the endpoint's input (the channel's I/O thread,
 Decode's read worker) is kept in :attr:`~EndpointWorker.errors` and logged, never let
 loose on that thread. Closing stops the channel, the role's own threads, the tracer and
@@ -238,14 +238,16 @@ class EndpointWorker(Generic[OutputT, ReportT, KeyT, EventT]):
         """Execute ``outputs`` in order (lock held), then re-arm the timer."""
         sent: list[bytes] | None = [] if self._TRACE_SENT and self._tracer is not None else None
         reported, wake = self._apply(outputs, sent)
-        if wake:
-            self._cond.notify_all()
         with contextlib.suppress(ControlClosed):  # closing: no timer can matter any more
             self._control.set_timer(self._next_timer())
         if sent is not None and self._trace_call is not None and self._tracer is not None:
             op, now, args = self._trace_call
             self._trace_call = None
             self._tracer.call(op, now, args, outputs, payloads=sent)
+        if wake:
+            # Last, so that a woken waiter (a gate on Prefill) finds the lock about to be
+            # released rather than sleeping again on it while this call finishes.
+            self._cond.notify_all()
         return reported
 
     def _apply(

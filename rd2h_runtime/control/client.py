@@ -21,7 +21,7 @@ from rd2h_runtime.control._common import (
     parse_conn,
     tcp_url,
 )
-from rd2h_runtime.control._loop import IOLoop, log
+from rd2h_runtime.control._loop import IOLoop, has_input, log
 
 
 class _Conn:
@@ -267,9 +267,11 @@ class PrefillControlClient(IOLoop[ClientEvent]):
                 self._deliver(ConnectionEvent(c.name, kind, address))
 
     def _read_dealer(self, c: _Conn, sock: zmq.Socket[bytes]) -> None:
-        for _ in range(self._read_budget()):
+        for n in range(self._read_budget()):
             if c.closed:
                 return  # the handler disconnected this endpoint meanwhile
+            if n and not has_input(sock):
+                return
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:

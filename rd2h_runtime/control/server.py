@@ -25,7 +25,7 @@ from rd2h_runtime.control._common import (
     is_ipv6,
     tcp_url,
 )
-from rd2h_runtime.control._loop import IOLoop
+from rd2h_runtime.control._loop import IOLoop, has_input
 
 log = logging.getLogger("rd2h_runtime.control")
 
@@ -159,7 +159,9 @@ class DecodeControlServer(IOLoop[ServerEvent]):
                 self._deliver(ConnectionEvent(None, kind, address))
 
     def _read_router(self, router: zmq.Socket[bytes]) -> None:
-        for _ in range(self._read_budget()):
+        for n in range(self._read_budget()):
+            if n and not has_input(router):
+                return
             try:
                 frames = router.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:

@@ -199,8 +199,8 @@ class RegionSet:
         if self._starts.shape[0] == 0:
             return 0
         if n <= _SMALL:  # a small batch: the exact test at once costs less than two passes
-            bad = np.flatnonzero(~self._inside(addrs, addrs, lengths))
-            return int(bad[0]) if bad.shape[0] else -1
+            inside = self._inside(addrs, addrs, lengths)
+            return -1 if inside.all() else int(np.argmin(inside))
         heads = np.arange(0, n, _CHUNK)
         ok = self._inside(
             np.minimum.reduceat(addrs, heads),
@@ -218,15 +218,14 @@ class RegionSet:
     def _inside(self, low: U64Array, high: U64Array, length: U64Array) -> npt.NDArray[np.bool_]:
         """Per i: ``[low[i], high[i] + length[i])`` lies inside one region (``low <= high``,
         ``length > 0``)."""
-        idx = np.searchsorted(self._starts, low, side="right").astype(np.int64) - 1
-        last = self._ends[np.maximum(idx, 0)]
+        idx = np.searchsorted(self._starts, low, side="right") - 1
+        # idx -1 (low before every region) reads the last region's end: masked by idx >= 0.
+        last = self._ends[idx]
         # low is at/after the start of region idx when idx >= 0 (searchsorted); the last
         # byte, high + length - 1, must be <= the region's last byte: written as a
         # subtraction so nothing overflows near 2**64 (high <= last is checked first; where
         # it fails the wrapped difference is masked by the &).
-        inside: npt.NDArray[np.bool_] = (
-            (idx >= 0) & (high <= last) & (length - np.uint64(1) <= last - high)
-        )
+        inside: npt.NDArray[np.bool_] = (idx >= 0) & (high <= last) & (length - _ONE <= last - high)
         return inside
 
 
@@ -234,6 +233,7 @@ class RegionSet:
 _CHUNK: Final = 1024
 # Batches this small get the exact per-range test directly (see first_outside).
 _SMALL: Final = 256
+_ONE: Final = np.uint64(1)
 
 
 def as_u64(values: AddrLike, what: str) -> U64Array:
