@@ -42,7 +42,7 @@ import struct
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 import numpy as np
@@ -86,10 +86,17 @@ class Descriptors:
     @property
     def total_bytes(self) -> int:
         """Bytes the read moves (sum of the lengths), exact."""
-        # A plain uint64 sum could wrap; summing the 32-bit halves apart cannot (for fewer
-        # than 2**32 descriptors).
-        lo = int((self.lengths & np.uint64(0xFFFFFFFF)).sum(dtype=np.uint64))
-        hi = int((self.lengths >> np.uint64(32)).sum(dtype=np.uint64))
+        lengths = self.lengths
+        n = lengths.shape[0]
+        if not n:
+            return 0
+        # A uint64 sum cannot wrap when n times the largest length fits: two passes, the
+        # usual case. Otherwise the 32-bit halves are summed apart, which cannot wrap
+        # (for fewer than 2**32 descriptors).
+        if int(lengths.max()) * n < _U64_LIMIT:
+            return int(lengths.sum(dtype=np.uint64))
+        lo = int((lengths & np.uint64(0xFFFFFFFF)).sum(dtype=np.uint64))
+        hi = int((lengths >> np.uint64(32)).sum(dtype=np.uint64))
         return (hi << 32) + lo
 
     def component_slice(self, name: str) -> slice:
@@ -390,7 +397,9 @@ class _Runs:
 
     ``tops`` holds each group's largest src and dst id (-1 without ids), ``cuts`` where
     each group's runs start and end in the run arrays, ``blocks`` each run's length in
-    blocks and ``run_src``/``run_dst`` its first ids.
+    blocks and ``run_src``/``run_dst`` its first ids. ``scaled`` keeps, per set of block
+    sizes, what the descriptors of every layer with those sizes share (see
+    :func:`_scaled`).
     """
 
     tops: tuple[tuple[int, int], ...]
@@ -398,6 +407,7 @@ class _Runs:
     blocks: U64Array
     run_src: U64Array
     run_dst: U64Array
+    scaled: dict[tuple[tuple[int, ...], ...], U64Array] = field(default_factory=dict)
 
 
 def _id_runs(sizes: Sequence[int], ids: I64Array, counts: I64Array) -> _Runs:
@@ -438,38 +448,72 @@ def _id_runs(sizes: Sequence[int], ids: I64Array, counts: I64Array) -> _Runs:
     return _Runs(tuple(tops), cuts, blocks, run_src, run_dst)
 
 
+# Block-size sets whose scaled runs one _Runs keeps (the layers of a model share a few).
+_SCALED_KEPT = 4
+
+
+def _scaled(comps_of: Sequence[Sequence[ComponentAddrs]], runs: _Runs) -> U64Array:
+    """The descriptors of ``runs`` without the bases: a read-only ``(3, total)`` block of
+    run src ids, run dst ids and run lengths, each times its component's block size, in
+    output order.
+
+    Every layer with the same block sizes shares it (layers differ in bases only), so it
+    is kept in ``runs``: a later layer adds its bases in one pass per address array
+    instead of a uint64 multiply and an add. No wrap: the callers' ``_check_fits``
+    bounded ``base + (top + 1) * block_bytes`` by 2**64 for the largest id.
+    """
+    key = tuple(tuple(c.block_bytes for c in comps) for comps in comps_of)
+    table = runs.scaled.get(key)
+    if table is not None:
+        return table
+    cuts = runs.cuts
+    total = sum(len(comps) * (cuts[g + 1] - cuts[g]) for g, comps in enumerate(comps_of))
+    table = np.empty((3, total), dtype=np.uint64)
+    at = 0
+    for g, comps in enumerate(comps_of):
+        lo, hi = cuts[g], cuts[g + 1]
+        if hi == lo:
+            continue
+        # All components of the group in one broadcast: a (components, runs) view of the
+        # table, rows = components.
+        size = _columns(tuple(comps))[0]
+        span = slice(at, at + len(comps) * (hi - lo))
+        at = span.stop
+        for row, per_run in enumerate((runs.run_src, runs.run_dst, runs.blocks)):
+            np.multiply(per_run[lo:hi], size, out=table[row, span].reshape(len(comps), hi - lo))
+    table.flags.writeable = False
+    if len(runs.scaled) >= _SCALED_KEPT:
+        runs.scaled.clear()
+    runs.scaled[key] = table
+    return table
+
+
 def _descriptors(comps_of: Sequence[Sequence[ComponentAddrs]], runs: _Runs) -> Descriptors:
     """The descriptors of ``runs`` for each group's components (``comps_of``, in order)."""
     for comps, (top_src, top_dst) in zip(comps_of, runs.tops, strict=True):
         for comp in comps:
             _check_fits(comp, top_src, top_dst)
-    cuts = runs.cuts
-    total = sum(len(comps) * (cuts[g + 1] - cuts[g]) for g, comps in enumerate(comps_of))
+    table = _scaled(comps_of, runs)
     # One allocation for the three arrays (rows of one block): three of this size each
     # cost page faults on every read, as malloc hands such blocks back to the OS.
-    remote, local, lengths = np.empty((3, total), dtype=np.uint64)
+    out = np.empty(table.shape, dtype=np.uint64)
+    remote, local, lengths = out
+    np.copyto(lengths, table[2])
+    cuts = runs.cuts
     counts_out: list[tuple[str, int]] = []
     at = 0
     for g, comps in enumerate(comps_of):
-        lo, hi = cuts[g], cuts[g + 1]
-        k_g = hi - lo
+        k_g = cuts[g + 1] - cuts[g]
         for comp in comps:
             counts_out.append((comp.name, k_g))
         if not k_g:
             continue
-        # All components of the group in one broadcast: a (components, runs) view of the
-        # output, rows = components. No wrap: _check_fits bounded every address by 2**64.
-        size, src_bases, dst_bases = _columns(tuple(comps))
+        _, src_bases, dst_bases = _columns(tuple(comps))
         span = slice(at, at + len(comps) * k_g)
         at = span.stop
-        for run_ids, out, bases in (
-            (runs.run_src, remote, src_bases),
-            (runs.run_dst, local, dst_bases),
-        ):
-            view = out[span].reshape(len(comps), k_g)
-            np.multiply(run_ids[lo:hi], size, out=view)
-            np.add(view, bases, out=view)
-        np.multiply(runs.blocks[lo:hi], size, out=lengths[span].reshape(len(comps), k_g))
+        for row, bases in ((0, src_bases), (1, dst_bases)):
+            view = out[row, span].reshape(len(comps), k_g)
+            np.add(table[row, span].reshape(len(comps), k_g), bases, out=view)
     for arr in (remote, local, lengths):
         # Read-only: backends get views of these, nobody should patch a planned read.
         arr.flags.writeable = False
@@ -501,20 +545,19 @@ def descriptors_from_ids(
     return _descriptors([c for c, _ in used], runs)
 
 
+_KEYED_KINDS: frozenset[type] = frozenset((tuple, range))
+
+
 def _ids_key(seqs: list[Sequence[int]]) -> tuple[object, ...] | None:
     """A key naming ``seqs`` by identity (tuples) or value (ranges), or None when one of
     them could change (a list, an array): only immutable ids may be planned from a cache.
     """
-    key: list[object] = []
-    for seq in seqs:
-        kind = type(seq)
-        if kind is tuple:
-            key.append(id(seq))
-        elif kind is range:
-            key.append(seq)
-        else:
-            return None
-    return tuple(key)
+    kinds = set(map(type, seqs))  # one pass in C; the usual plan holds tuples only
+    if not kinds <= _KEYED_KINDS:
+        return None
+    if range not in kinds:
+        return tuple(map(id, seqs))
+    return tuple(seq if type(seq) is range else id(seq) for seq in seqs)
 
 
 def build_descriptors(plan: ReadPlan) -> Descriptors:
