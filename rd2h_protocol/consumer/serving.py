@@ -67,6 +67,24 @@ def _part(ids: Sequence[int], start: int, end: int) -> Sequence[int]:
     return ids if start == 0 and end == len(ids) else ids[start:end]
 
 
+def _whole_share(req: _Request, rr: ReadReq, has_indexer: bool) -> RequestRead:
+    """:meth:`_Serving._share` of an entry whose share is all of it, its source ids bounded
+    already (the usual shape: one Decode rank, one contributor, the bounded decode path):
+    the same result with only the destination ranges left to check."""
+    main_src = rr.main_block_ids
+    n, base, dst = len(main_src), rr.main_start_block, req.main_ids
+    if base < 0 or base + n > len(dst):  # (the check, inlined: it raises)
+        check_destination_range(req.ext_id, "main", base, n, len(dst))
+    main_dst = dst[base : base + n]
+    if not has_indexer:
+        return RequestRead(req.ext_id, main_src, main_dst, (), ())
+    idx_src = rr.indexer_ids
+    n, base, dst = len(idx_src), rr.indexer_start_block, req.indexer_ids
+    if base < 0 or base + n > len(dst):
+        check_destination_range(req.ext_id, "indexer", base, n, len(dst))
+    return RequestRead(req.ext_id, main_src, main_dst, idx_src, dst[base : base + n])
+
+
 class _Serving(_ReadOutcomes):
     """From a readiness the session admitted to its read (or its refusal)."""
 
@@ -223,6 +241,8 @@ class _Serving(_ReadOutcomes):
         num_blocks = src.num_blocks
         if num_blocks is not None and rd.ids_below is not None and rd.ids_below <= num_blocks:
             num_blocks = None  # every Prefill id of the message is below it: checked already
+        if whole and member == 0 and num_blocks is None:
+            return _whole_share(req, rr, has_indexer)
         main_ids = rr.main_block_ids
         n = len(main_ids)
         if whole:
