@@ -24,11 +24,18 @@ request starts); the run-start ids are gathered once, and each group's component
 V; indexer and scale) get their addresses in one broadcast multiply-add. No Python work
 happens per block; per request only the id sequences are collected. Every layer of an
 engine step reads the same ids, so when they are immutable (tuples, ranges: what the
-Decode endpoint hands out) the id-only part (runs, run-start ids) is kept per thread
-and later layers only compute addresses (see :func:`build_descriptors`). Work buffers
+Decode endpoint hands out) the id-only part (runs, run-start ids) is kept per thread,
+with the run ids and lengths already multiplied by each set of block sizes, and later
+layers only add their bases (see :func:`build_descriptors`, :func:`_scaled`): 24 bytes
+kept per descriptor and size set (1.2 MB for a 64 x 256 random message; a model's layers
+usually share one size set). Work buffers
 are per-thread and reused (see ``_Scratch``); the returned arrays are always fresh (the
 three are rows of one new block). A small message still pays a fixed cost of a few
 dozen numpy calls (tens of microseconds).
+
+The module is over 600 lines because planning is one pipeline (pack, find runs, scale,
+add bases) whose steps share the per-thread scratch and the kept runs; split, each part
+would need the others' private types.
 
 Because every block of a component has the same length, "addresses contiguous" is exactly
 "ids step by +1" (for ``block_bytes > 0`` and no wrap-around, both of which are checked),

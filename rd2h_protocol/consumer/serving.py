@@ -7,6 +7,7 @@ operation in :mod:`rd2h_protocol.consumer`.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
@@ -148,10 +149,12 @@ class _Serving(_ReadOutcomes):
             self._refuse(rd, now, ErrorCode.LAYOUT_MISMATCH, _explain(comps, msg.tp_ratio))
             return
         if allow_park:
+            # (set.difference looks each id up in the dict; _retired, an OrderedDict, it
+            # would iterate whole, so the few ids left are looked up there one by one)
             missing = {
                 ext
-                for ext in _message_ids(msg)
-                if ext not in self._requests and ext not in self._retired
+                for ext in set(_message_ids(msg)).difference(self._requests)
+                if ext not in self._retired
             }
             if missing:
                 rd.missing = missing
@@ -185,17 +188,20 @@ class _Serving(_ReadOutcomes):
         now: float,
     ) -> None:
         msg = rd.msg
-        counts: dict[str, int] = {}
-        for rr in msg.read_reqs:
-            counts[rr.ext_req_id] = counts.get(rr.ext_req_id, 0) + 1
+        named = [rr.ext_req_id for rr in msg.read_reqs]
+        counts = Counter(named)
+        # Only entries can name a request twice (done ids are deduplicated and skip those
+        # the entries name): without repeats, every request is handled once as it comes.
+        repeats = len(counts) < len(named)
         reads: list[RequestRead] = []
-        entries: list[tuple[str, ReadReq | None]] = [(rr.ext_req_id, rr) for rr in msg.read_reqs]
+        entries: list[tuple[str, ReadReq | None]] = list(zip(named, msg.read_reqs, strict=True))
         entries += [(ext, None) for ext in _unique(msg.done_ext_ids) if ext not in counts]
         handled: set[str] = set()
         for ext, entry in entries:
-            if ext in handled:
-                continue
-            handled.add(ext)
+            if repeats:
+                if ext in handled:
+                    continue
+                handled.add(ext)
             req = self._requests.get(ext)
             if req is None:
                 self._isolate(rd, ext, ErrorCode.UNKNOWN_REQUEST, "unknown request")
