@@ -197,6 +197,7 @@ class _Serving(_ReadOutcomes):
         entries: list[tuple[str, ReadReq | None]] = list(zip(named, msg.read_reqs, strict=True))
         entries += [(ext, None) for ext in _unique(msg.done_ext_ids) if ext not in counts]
         handled: set[str] = set()
+        whole = self._shares_are_whole(rd, src)
         for ext, entry in entries:
             if repeats:
                 if ext in handled:
@@ -207,7 +208,7 @@ class _Serving(_ReadOutcomes):
                 self._isolate(rd, ext, ErrorCode.UNKNOWN_REQUEST, "unknown request")
                 continue
             read = self._REQUEST.fire(
-                self, req, R_RECV_READINESS, rd, entry, counts.get(ext, 0), src, indexer, now
+                self, req, R_RECV_READINESS, rd, entry, counts.get(ext, 0), src, indexer, now, whole
             )
             if read is not None and (read.main_src or read.indexer_src):
                 reads.append(read)
@@ -225,6 +226,20 @@ class _Serving(_ReadOutcomes):
         self._reads[read_id] = rd
         self.stats.reads_started += 1
         self._READINESS.fire(self, rd, M_LOCAL_START_READ)
+
+    def _shares_are_whole(self, rd: _Readiness, src: LayerLayout) -> bool:
+        """Whether every share of this readiness is its whole entry with its source ids
+        proven in range (one Decode rank, one contributor, the bounded decode path or a
+        layout without ``num_blocks``): then :func:`_whole_share` gives what
+        :meth:`_share` would, deciding that once per message instead of per request."""
+        msg, cfg = rd.msg, self.config
+        num_blocks = src.num_blocks
+        return (
+            msg.group_member_idx == 0
+            and msg.tp_ratio == 1
+            and (cfg.d_tp == 1 or not cfg.main_shared)
+            and (num_blocks is None or (rd.ids_below is not None and rd.ids_below <= num_blocks))
+        )
 
     def _share(
         self,
@@ -247,8 +262,6 @@ class _Serving(_ReadOutcomes):
         num_blocks = src.num_blocks
         if num_blocks is not None and rd.ids_below is not None and rd.ids_below <= num_blocks:
             num_blocks = None  # every Prefill id of the message is below it: checked already
-        if whole and member == 0 and num_blocks is None:
-            return _whole_share(req, rr, has_indexer)
         main_ids = rr.main_block_ids
         n = len(main_ids)
         if whole:
@@ -300,7 +313,7 @@ class _Serving(_ReadOutcomes):
         rd.isolated.append(FailedRequest(ext, int(code), _clip(text)))
 
     # The request machine's RECV_READINESS effects: (req, rd, entry, count, src, indexer,
-    # now) -> the request's share of the read, or None (nothing to read for it).
+    # now, whole) -> the request's share of the read, or None (nothing to read for it).
 
     def _fx_isolate(self, req: _Request, rd: _Readiness, *_context: Any) -> None:
         """The request stopped waiting: leave it out of the read, report it alone."""
@@ -315,17 +328,24 @@ class _Serving(_ReadOutcomes):
         src: LayerLayout,
         indexer: tuple[ComponentAddrs, ...],
         now: float,
+        whole: bool,
     ) -> RequestRead | None:
         """Take the readiness for the request: its entry must be sound (named once, the
         same ``tp_ratio``, a destination range that fits, source ids within the layout),
-        else the request is isolated and fails (``LOCAL_FAIL``)."""
+        else the request is isolated and fails (``LOCAL_FAIL``). ``whole``: see
+        :meth:`_shares_are_whole`."""
         msg = rd.msg
         try:
             if count > 1:
                 raise RemoteProtocolError("the request appears more than once in the message")
             if req.contributors is not None:
                 req.contributors.check_ratio(msg.tp_ratio)
-            read = None if entry is None else self._share(req, entry, src, rd, bool(indexer))
+            if entry is None:
+                read = None
+            elif whole:
+                read = _whole_share(req, entry, bool(indexer))
+            else:
+                read = self._share(req, entry, src, rd, bool(indexer))
         except ProtocolError as exc:
             self._isolate(rd, req.ext_id, exc.code, exc.message)
             self._request_event(req, R_LOCAL_FAIL, now, exc.code, exc.message)
