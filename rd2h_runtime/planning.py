@@ -378,23 +378,19 @@ def _check_fits(comp: ComponentAddrs, max_src: int, max_dst: int) -> None:
 
 
 @functools.lru_cache(maxsize=1024)
-def _columns(comps: tuple[ComponentAddrs, ...]) -> tuple[U64Array, U64Array, U64Array]:
-    """Block sizes, src bases and dst bases of ``comps`` as uint64 columns.
+def _columns(comps: tuple[ComponentAddrs, ...]) -> tuple[U64Array, U64Array]:
+    """The block sizes of ``comps`` as a uint64 column ``(components, 1)``, and their src
+    and dst bases as a ``(2, components, 1)`` block (src first).
 
     Cached: a layer's components are the same values message after message, and building
     tiny arrays is a noticeable part of planning a small message.
     """
-    cols = tuple(
-        np.array(values, dtype=np.uint64).reshape(-1, 1)
-        for values in (
-            [c.block_bytes for c in comps],
-            [c.src_base for c in comps],
-            [c.dst_base for c in comps],
-        )
-    )
-    for col in cols:
-        col.flags.writeable = False
-    return cols[0], cols[1], cols[2]
+    sizes = np.array([c.block_bytes for c in comps], dtype=np.uint64).reshape(-1, 1)
+    bases = np.array(
+        [[c.src_base for c in comps], [c.dst_base for c in comps]], dtype=np.uint64
+    ).reshape(2, -1, 1)
+    sizes.flags.writeable = bases.flags.writeable = False
+    return sizes, bases
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -504,8 +500,7 @@ def _descriptors(comps_of: Sequence[Sequence[ComponentAddrs]], runs: _Runs) -> D
     # One allocation for the three arrays (rows of one block): three of this size each
     # cost page faults on every read, as malloc hands such blocks back to the OS.
     out = np.empty(table.shape, dtype=np.uint64)
-    remote, local, lengths = out
-    np.copyto(lengths, table[2])
+    np.copyto(out[2], table[2])
     cuts = runs.cuts
     counts_out: list[tuple[str, int]] = []
     at = 0
@@ -515,15 +510,16 @@ def _descriptors(comps_of: Sequence[Sequence[ComponentAddrs]], runs: _Runs) -> D
             counts_out.append((comp.name, k_g))
         if not k_g:
             continue
-        _, src_bases, dst_bases = _columns(tuple(comps))
+        bases = _columns(tuple(comps))[1]
         span = slice(at, at + len(comps) * k_g)
         at = span.stop
-        for row, bases in ((0, src_bases), (1, dst_bases)):
-            view = out[row, span].reshape(len(comps), k_g)
-            np.add(table[row, span].reshape(len(comps), k_g), bases, out=view)
-    for arr in (remote, local, lengths):
-        # Read-only: backends get views of these, nobody should patch a planned read.
-        arr.flags.writeable = False
+        # Both address rows at once: a (side, components, runs) view, bases broadcast.
+        shape = (2, len(comps), k_g)
+        np.add(table[:2, span].reshape(shape), bases, out=out[:2, span].reshape(shape))
+    # Read-only, the block and so its rows: backends get views of these, nobody should
+    # patch a planned read.
+    out.flags.writeable = False
+    remote, local, lengths = out
     return Descriptors(remote, local, lengths, tuple(counts_out))
 
 

@@ -76,6 +76,8 @@ def assert_matches_oracle(plan: ReadPlan) -> Descriptors:
     for arr in (d.remote_addrs, d.local_addrs, d.lengths):
         assert arr.dtype == np.uint64
         assert not arr.flags.writeable
+        with pytest.raises(ValueError):  # not even on purpose: their block is read-only
+            arr.flags.writeable = True
     assert triples(d) == expected
     assert list(d.component_counts) == counts
     assert len(d) == len(expected)
@@ -436,7 +438,7 @@ def test_benchmark_runs_and_agrees_with_its_baseline(capsys: pytest.CaptureFixtu
     assert bench.main(["--requests", "3", "--blocks", "5", "--repeats", "1"]) == 0
     out = capsys.readouterr().out
     assert "MISMATCH" not in out
-    assert out.count("x\n") == 6  # 3 shapes x 2 input forms, each row ending with its ratio
+    assert out.count("x\n") == 9  # 3 shapes x 3 input forms, each row ending with its ratio
 
 
 # --- planning the same ids again -----------------------------------------------------------
