@@ -69,9 +69,9 @@ def _part(ids: Sequence[int], start: int, end: int) -> Sequence[int]:
 
 
 def _whole_share(req: _Request, rr: ReadReq, has_indexer: bool) -> RequestRead:
-    """:meth:`_Serving._share` of an entry whose share is all of it, its source ids bounded
-    already (the usual shape: one Decode rank, one contributor, the bounded decode path):
-    the same result with only the destination ranges left to check."""
+    """:meth:`_Serving._share` of an entry whose share is all of it, its source ids proven
+    in range or unbounded by the layout (see :meth:`_Serving._shares_are_whole`): the same
+    result, with only the destination ranges left to check."""
     main_src = rr.main_block_ids
     n, base, dst = len(main_src), rr.main_start_block, req.main_ids
     if base < 0 or base + n > len(dst):  # (the check, inlined: it raises)
