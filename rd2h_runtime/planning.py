@@ -24,11 +24,18 @@ request starts); the run-start ids are gathered once, and each group's component
 V; indexer and scale) get their addresses in one broadcast multiply-add. No Python work
 happens per block; per request only the id sequences are collected. Every layer of an
 engine step reads the same ids, so when they are immutable (tuples, ranges: what the
-Decode endpoint hands out) the id-only part (runs, run-start ids) is kept per thread
-and later layers only compute addresses (see :func:`build_descriptors`). Work buffers
+Decode endpoint hands out) the id-only part (runs, run-start ids) is kept per thread,
+with the run ids and lengths already multiplied by each set of block sizes, and later
+layers only add their bases (see :func:`build_descriptors`, :func:`_scaled`): 24 bytes
+kept per descriptor and size set (1.2 MB for a 64 x 256 random message; a model's layers
+usually share one size set). Work buffers
 are per-thread and reused (see ``_Scratch``); the returned arrays are always fresh (the
 three are rows of one new block). A small message still pays a fixed cost of a few
 dozen numpy calls (tens of microseconds).
+
+The module is over 600 lines because planning is one pipeline (pack, find runs, scale,
+add bases) whose steps share the per-thread scratch and the kept runs; split, each part
+would need the others' private types.
 
 Because every block of a component has the same length, "addresses contiguous" is exactly
 "ids step by +1" (for ``block_bytes > 0`` and no wrap-around, both of which are checked),
@@ -42,7 +49,7 @@ import struct
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 import numpy as np
@@ -86,10 +93,17 @@ class Descriptors:
     @property
     def total_bytes(self) -> int:
         """Bytes the read moves (sum of the lengths), exact."""
-        # A plain uint64 sum could wrap; summing the 32-bit halves apart cannot (for fewer
-        # than 2**32 descriptors).
-        lo = int((self.lengths & np.uint64(0xFFFFFFFF)).sum(dtype=np.uint64))
-        hi = int((self.lengths >> np.uint64(32)).sum(dtype=np.uint64))
+        lengths = self.lengths
+        n = lengths.shape[0]
+        if not n:
+            return 0
+        # A uint64 sum cannot wrap when n times the largest length fits: two passes, the
+        # usual case. Otherwise the 32-bit halves are summed apart, which cannot wrap
+        # (for fewer than 2**32 descriptors).
+        if int(lengths.max()) * n < _U64_LIMIT:
+            return int(lengths.sum(dtype=np.uint64))
+        lo = int((lengths & np.uint64(0xFFFFFFFF)).sum(dtype=np.uint64))
+        hi = int((lengths >> np.uint64(32)).sum(dtype=np.uint64))
         return (hi << 32) + lo
 
     def component_slice(self, name: str) -> slice:
@@ -364,23 +378,19 @@ def _check_fits(comp: ComponentAddrs, max_src: int, max_dst: int) -> None:
 
 
 @functools.lru_cache(maxsize=1024)
-def _columns(comps: tuple[ComponentAddrs, ...]) -> tuple[U64Array, U64Array, U64Array]:
-    """Block sizes, src bases and dst bases of ``comps`` as uint64 columns.
+def _columns(comps: tuple[ComponentAddrs, ...]) -> tuple[U64Array, U64Array]:
+    """The block sizes of ``comps`` as a uint64 column ``(components, 1)``, and their src
+    and dst bases as a ``(2, components, 1)`` block (src first).
 
     Cached: a layer's components are the same values message after message, and building
     tiny arrays is a noticeable part of planning a small message.
     """
-    cols = tuple(
-        np.array(values, dtype=np.uint64).reshape(-1, 1)
-        for values in (
-            [c.block_bytes for c in comps],
-            [c.src_base for c in comps],
-            [c.dst_base for c in comps],
-        )
-    )
-    for col in cols:
-        col.flags.writeable = False
-    return cols[0], cols[1], cols[2]
+    sizes = np.array([c.block_bytes for c in comps], dtype=np.uint64).reshape(-1, 1)
+    bases = np.array(
+        [[c.src_base for c in comps], [c.dst_base for c in comps]], dtype=np.uint64
+    ).reshape(2, -1, 1)
+    sizes.flags.writeable = bases.flags.writeable = False
+    return sizes, bases
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -390,7 +400,9 @@ class _Runs:
 
     ``tops`` holds each group's largest src and dst id (-1 without ids), ``cuts`` where
     each group's runs start and end in the run arrays, ``blocks`` each run's length in
-    blocks and ``run_src``/``run_dst`` its first ids.
+    blocks and ``run_src``/``run_dst`` its first ids. ``scaled`` keeps, per set of block
+    sizes, what the descriptors of every layer with those sizes share (see
+    :func:`_scaled`).
     """
 
     tops: tuple[tuple[int, int], ...]
@@ -398,6 +410,7 @@ class _Runs:
     blocks: U64Array
     run_src: U64Array
     run_dst: U64Array
+    scaled: dict[tuple[tuple[int, ...], ...], U64Array] = field(default_factory=dict)
 
 
 def _id_runs(sizes: Sequence[int], ids: I64Array, counts: I64Array) -> _Runs:
@@ -438,41 +451,75 @@ def _id_runs(sizes: Sequence[int], ids: I64Array, counts: I64Array) -> _Runs:
     return _Runs(tuple(tops), cuts, blocks, run_src, run_dst)
 
 
+# Block-size sets whose scaled runs one _Runs keeps (the layers of a model share a few).
+_SCALED_KEPT = 4
+
+
+def _scaled(comps_of: Sequence[Sequence[ComponentAddrs]], runs: _Runs) -> U64Array:
+    """The descriptors of ``runs`` without the bases: a read-only ``(3, total)`` block of
+    run src ids, run dst ids and run lengths, each times its component's block size, in
+    output order.
+
+    Every layer with the same block sizes shares it (layers differ in bases only), so it
+    is kept in ``runs``: a later layer adds its bases in one pass per address array
+    instead of a uint64 multiply and an add. No wrap: the callers' ``_check_fits``
+    bounded ``base + (top + 1) * block_bytes`` by 2**64 for the largest id.
+    """
+    key = tuple(tuple(c.block_bytes for c in comps) for comps in comps_of)
+    table = runs.scaled.get(key)
+    if table is not None:
+        return table
+    cuts = runs.cuts
+    total = sum(len(comps) * (cuts[g + 1] - cuts[g]) for g, comps in enumerate(comps_of))
+    table = np.empty((3, total), dtype=np.uint64)
+    at = 0
+    for g, comps in enumerate(comps_of):
+        lo, hi = cuts[g], cuts[g + 1]
+        if hi == lo:
+            continue
+        # All components of the group in one broadcast: a (components, runs) view of the
+        # table, rows = components.
+        size = _columns(tuple(comps))[0]
+        span = slice(at, at + len(comps) * (hi - lo))
+        at = span.stop
+        for row, per_run in enumerate((runs.run_src, runs.run_dst, runs.blocks)):
+            np.multiply(per_run[lo:hi], size, out=table[row, span].reshape(len(comps), hi - lo))
+    table.flags.writeable = False
+    if len(runs.scaled) >= _SCALED_KEPT:
+        runs.scaled.clear()
+    runs.scaled[key] = table
+    return table
+
+
 def _descriptors(comps_of: Sequence[Sequence[ComponentAddrs]], runs: _Runs) -> Descriptors:
     """The descriptors of ``runs`` for each group's components (``comps_of``, in order)."""
     for comps, (top_src, top_dst) in zip(comps_of, runs.tops, strict=True):
         for comp in comps:
             _check_fits(comp, top_src, top_dst)
-    cuts = runs.cuts
-    total = sum(len(comps) * (cuts[g + 1] - cuts[g]) for g, comps in enumerate(comps_of))
+    table = _scaled(comps_of, runs)
     # One allocation for the three arrays (rows of one block): three of this size each
     # cost page faults on every read, as malloc hands such blocks back to the OS.
-    remote, local, lengths = np.empty((3, total), dtype=np.uint64)
+    out = np.empty(table.shape, dtype=np.uint64)
+    np.copyto(out[2], table[2])
+    cuts = runs.cuts
     counts_out: list[tuple[str, int]] = []
     at = 0
     for g, comps in enumerate(comps_of):
-        lo, hi = cuts[g], cuts[g + 1]
-        k_g = hi - lo
+        k_g = cuts[g + 1] - cuts[g]
         for comp in comps:
             counts_out.append((comp.name, k_g))
         if not k_g:
             continue
-        # All components of the group in one broadcast: a (components, runs) view of the
-        # output, rows = components. No wrap: _check_fits bounded every address by 2**64.
-        size, src_bases, dst_bases = _columns(tuple(comps))
+        bases = _columns(tuple(comps))[1]
         span = slice(at, at + len(comps) * k_g)
         at = span.stop
-        for run_ids, out, bases in (
-            (runs.run_src, remote, src_bases),
-            (runs.run_dst, local, dst_bases),
-        ):
-            view = out[span].reshape(len(comps), k_g)
-            np.multiply(run_ids[lo:hi], size, out=view)
-            np.add(view, bases, out=view)
-        np.multiply(runs.blocks[lo:hi], size, out=lengths[span].reshape(len(comps), k_g))
-    for arr in (remote, local, lengths):
-        # Read-only: backends get views of these, nobody should patch a planned read.
-        arr.flags.writeable = False
+        # Both address rows at once: a (side, components, runs) view, bases broadcast.
+        shape = (2, len(comps), k_g)
+        np.add(table[:2, span].reshape(shape), bases, out=out[:2, span].reshape(shape))
+    # Read-only, the block and so its rows: backends get views of these, nobody should
+    # patch a planned read.
+    out.flags.writeable = False
+    remote, local, lengths = out
     return Descriptors(remote, local, lengths, tuple(counts_out))
 
 
@@ -501,20 +548,19 @@ def descriptors_from_ids(
     return _descriptors([c for c, _ in used], runs)
 
 
+_KEYED_KINDS: frozenset[type] = frozenset((tuple, range))
+
+
 def _ids_key(seqs: list[Sequence[int]]) -> tuple[object, ...] | None:
     """A key naming ``seqs`` by identity (tuples) or value (ranges), or None when one of
     them could change (a list, an array): only immutable ids may be planned from a cache.
     """
-    key: list[object] = []
-    for seq in seqs:
-        kind = type(seq)
-        if kind is tuple:
-            key.append(id(seq))
-        elif kind is range:
-            key.append(seq)
-        else:
-            return None
-    return tuple(key)
+    kinds = set(map(type, seqs))  # one pass in C; the usual plan holds tuples only
+    if not kinds <= _KEYED_KINDS:
+        return None
+    if range not in kinds:
+        return tuple(map(id, seqs))
+    return tuple(seq if type(seq) is range else id(seq) for seq in seqs)
 
 
 def build_descriptors(plan: ReadPlan) -> Descriptors:

@@ -7,6 +7,7 @@ operation in :mod:`rd2h_protocol.consumer`.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
@@ -65,6 +66,24 @@ def _check_source(layer: str, component: str, ids: Sequence[int], num_blocks: in
 def _part(ids: Sequence[int], start: int, end: int) -> Sequence[int]:
     """``ids[start:end]``, without a copy when that is all of ``ids``."""
     return ids if start == 0 and end == len(ids) else ids[start:end]
+
+
+def _whole_share(req: _Request, rr: ReadReq, has_indexer: bool) -> RequestRead:
+    """:meth:`_Serving._share` of an entry whose share is all of it, its source ids proven
+    in range or unbounded by the layout (see :meth:`_Serving._shares_are_whole`): the same
+    result, with only the destination ranges left to check."""
+    main_src = rr.main_block_ids
+    n, base, dst = len(main_src), rr.main_start_block, req.main_ids
+    if base < 0 or base + n > len(dst):  # (the check, inlined: it raises)
+        check_destination_range(req.ext_id, "main", base, n, len(dst))
+    main_dst = dst[base : base + n]
+    if not has_indexer:
+        return RequestRead(req.ext_id, main_src, main_dst, (), ())
+    idx_src = rr.indexer_ids
+    n, base, dst = len(idx_src), rr.indexer_start_block, req.indexer_ids
+    if base < 0 or base + n > len(dst):
+        check_destination_range(req.ext_id, "indexer", base, n, len(dst))
+    return RequestRead(req.ext_id, main_src, main_dst, idx_src, dst[base : base + n])
 
 
 class _Serving(_ReadOutcomes):
@@ -130,10 +149,12 @@ class _Serving(_ReadOutcomes):
             self._refuse(rd, now, ErrorCode.LAYOUT_MISMATCH, _explain(comps, msg.tp_ratio))
             return
         if allow_park:
+            # (set.difference looks each id up in the dict; _retired, an OrderedDict, it
+            # would iterate whole, so the few ids left are looked up there one by one)
             missing = {
                 ext
-                for ext in _message_ids(msg)
-                if ext not in self._requests and ext not in self._retired
+                for ext in set(_message_ids(msg)).difference(self._requests)
+                if ext not in self._retired
             }
             if missing:
                 rd.missing = missing
@@ -167,23 +188,27 @@ class _Serving(_ReadOutcomes):
         now: float,
     ) -> None:
         msg = rd.msg
-        counts: dict[str, int] = {}
-        for rr in msg.read_reqs:
-            counts[rr.ext_req_id] = counts.get(rr.ext_req_id, 0) + 1
+        named = [rr.ext_req_id for rr in msg.read_reqs]
+        counts = Counter(named)
+        # Only entries can name a request twice (done ids are deduplicated and skip those
+        # the entries name): without repeats, every request is handled once as it comes.
+        repeats = len(counts) < len(named)
         reads: list[RequestRead] = []
-        entries: list[tuple[str, ReadReq | None]] = [(rr.ext_req_id, rr) for rr in msg.read_reqs]
+        entries: list[tuple[str, ReadReq | None]] = list(zip(named, msg.read_reqs, strict=True))
         entries += [(ext, None) for ext in _unique(msg.done_ext_ids) if ext not in counts]
         handled: set[str] = set()
+        whole = self._shares_are_whole(rd, src)
         for ext, entry in entries:
-            if ext in handled:
-                continue
-            handled.add(ext)
+            if repeats:
+                if ext in handled:
+                    continue
+                handled.add(ext)
             req = self._requests.get(ext)
             if req is None:
                 self._isolate(rd, ext, ErrorCode.UNKNOWN_REQUEST, "unknown request")
                 continue
             read = self._REQUEST.fire(
-                self, req, R_RECV_READINESS, rd, entry, counts.get(ext, 0), src, indexer, now
+                self, req, R_RECV_READINESS, rd, entry, counts.get(ext, 0), src, indexer, now, whole
             )
             if read is not None and (read.main_src or read.indexer_src):
                 reads.append(read)
@@ -201,6 +226,20 @@ class _Serving(_ReadOutcomes):
         self._reads[read_id] = rd
         self.stats.reads_started += 1
         self._READINESS.fire(self, rd, M_LOCAL_START_READ)
+
+    def _shares_are_whole(self, rd: _Readiness, src: LayerLayout) -> bool:
+        """Whether every share of this readiness is its whole entry with its source ids
+        proven in range (one Decode rank, one contributor, the bounded decode path or a
+        layout without ``num_blocks``): then :func:`_whole_share` gives what
+        :meth:`_share` would, deciding that once per message instead of per request."""
+        msg, cfg = rd.msg, self.config
+        num_blocks = src.num_blocks
+        return (
+            msg.group_member_idx == 0
+            and msg.tp_ratio == 1
+            and (cfg.d_tp == 1 or not cfg.main_shared)
+            and (num_blocks is None or (rd.ids_below is not None and rd.ids_below <= num_blocks))
+        )
 
     def _share(
         self,
@@ -274,7 +313,7 @@ class _Serving(_ReadOutcomes):
         rd.isolated.append(FailedRequest(ext, int(code), _clip(text)))
 
     # The request machine's RECV_READINESS effects: (req, rd, entry, count, src, indexer,
-    # now) -> the request's share of the read, or None (nothing to read for it).
+    # now, whole) -> the request's share of the read, or None (nothing to read for it).
 
     def _fx_isolate(self, req: _Request, rd: _Readiness, *_context: Any) -> None:
         """The request stopped waiting: leave it out of the read, report it alone."""
@@ -289,17 +328,24 @@ class _Serving(_ReadOutcomes):
         src: LayerLayout,
         indexer: tuple[ComponentAddrs, ...],
         now: float,
+        whole: bool,
     ) -> RequestRead | None:
         """Take the readiness for the request: its entry must be sound (named once, the
         same ``tp_ratio``, a destination range that fits, source ids within the layout),
-        else the request is isolated and fails (``LOCAL_FAIL``)."""
+        else the request is isolated and fails (``LOCAL_FAIL``). ``whole``: see
+        :meth:`_shares_are_whole`."""
         msg = rd.msg
         try:
             if count > 1:
                 raise RemoteProtocolError("the request appears more than once in the message")
             if req.contributors is not None:
                 req.contributors.check_ratio(msg.tp_ratio)
-            read = None if entry is None else self._share(req, entry, src, rd, bool(indexer))
+            if entry is None:
+                read = None
+            elif whole:
+                read = _whole_share(req, entry, bool(indexer))
+            else:
+                read = self._share(req, entry, src, rd, bool(indexer))
         except ProtocolError as exc:
             self._isolate(rd, req.ext_id, exc.code, exc.message)
             self._request_event(req, R_LOCAL_FAIL, now, exc.code, exc.message)

@@ -2023,3 +2023,33 @@ def test_input_no_table_allows_closes_that_peers_session(
     assert ep.sessions() == {"p1": "ready_v2"} and ep.negotiated(b"bad") is None
     reply = replies(send(ep, rrb(0, [], seq=1), peer=b"bad"))[0]
     assert reply.code == ErrorCode.UNKNOWN_SESSION
+
+
+_ENTRY = st.tuples(
+    st.lists(st.integers(0, NUM_BLOCKS), max_size=5),  # NUM_BLOCKS itself is out of range
+    st.one_of(st.none(), st.lists(st.integers(0, NUM_BLOCKS), max_size=5)),  # None: = main
+    st.integers(0, 6),  # main_start_block: past 3 some destination ranges do not fit
+    st.integers(0, 6),  # indexer_start_block
+)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(_ENTRY, min_size=1, max_size=4))
+def test_whole_shares_on_the_fast_path_equal_the_general_path(
+    entries: list[tuple[list[int], list[int] | None, int, int]],
+) -> None:
+    """The bounded decode's whole-entry shares (one Decode rank, one contributor, source
+    ids proven in range) against the general path, which checks every request's source
+    ids and destination range itself: the same plans, replies and failed requests, for
+    ids in and past the layout's bound and destination ranges that fit or not."""
+    seen = []
+    for general in (False, True):
+        ep = ready()
+        if general:
+            ep._decode_bounded = lambda peer, frame: None  # type: ignore[method-assign]
+        msgs = []
+        for i, (main, idx, ms, js) in enumerate(entries):
+            ep.add_request(f"r{i}", list(range(100, 108)), list(range(200, 208)), 0.0)
+            msgs.append(rr(f"r{i}", main, idx, ms, js))
+        seen.append(_served(ep, rrb(0, msgs)))
+    assert seen[0] == seen[1]

@@ -76,6 +76,8 @@ def assert_matches_oracle(plan: ReadPlan) -> Descriptors:
     for arr in (d.remote_addrs, d.local_addrs, d.lengths):
         assert arr.dtype == np.uint64
         assert not arr.flags.writeable
+        with pytest.raises(ValueError):  # not even on purpose: their block is read-only
+            arr.flags.writeable = True
     assert triples(d) == expected
     assert list(d.component_counts) == counts
     assert len(d) == len(expected)
@@ -436,7 +438,7 @@ def test_benchmark_runs_and_agrees_with_its_baseline(capsys: pytest.CaptureFixtu
     assert bench.main(["--requests", "3", "--blocks", "5", "--repeats", "1"]) == 0
     out = capsys.readouterr().out
     assert "MISMATCH" not in out
-    assert out.count("x\n") == 6  # 3 shapes x 2 input forms, each row ending with its ratio
+    assert out.count("x\n") == 9  # 3 shapes x 3 input forms, each row ending with its ratio
 
 
 # --- planning the same ids again -----------------------------------------------------------
@@ -495,3 +497,39 @@ def test_many_id_sets_in_turn_match_the_oracle() -> None:
     for round_ in range(3):
         for plan in plans:
             assert_matches_oracle(_moved(plan, round_ + 1) if round_ else plan)
+
+
+def _resized(plan: ReadPlan, block_bytes: int) -> ReadPlan:
+    """The same requests read for components of which every other one has ``block_bytes``
+    per block: a layer with other block sizes (bases lowered so every address fits)."""
+
+    def resize(comps: tuple[ComponentAddrs, ...]) -> tuple[ComponentAddrs, ...]:
+        return tuple(
+            ComponentAddrs(
+                c.name, c.src_base // 4, c.dst_base // 4, block_bytes if i % 2 else c.block_bytes
+            )
+            for i, c in enumerate(comps)
+        )
+
+    return make_plan(plan.requests, main=resize(plan.main), indexer=resize(plan.indexer))
+
+
+@given(plans(), st.lists(_BLOCK_BYTES, min_size=1, max_size=7))
+def test_the_same_ids_planned_with_other_block_sizes_match_the_oracle(
+    plan: ReadPlan, sizes: list[int]
+) -> None:
+    """Layers with other block sizes share the runs, not their scaled addresses; more
+    size sets than the runs keep, in turn and again."""
+    assert_matches_oracle(plan)
+    for block_bytes in [*sizes, *reversed(sizes)]:
+        assert_matches_oracle(_resized(plan, block_bytes))
+    assert_matches_oracle(plan)
+
+
+@given(st.lists(st.integers(0, (1 << 64) - 1), max_size=6), st.integers(0, 3))
+def test_total_bytes_is_exact_even_past_64_bits(lengths: list[int], copies: int) -> None:
+    """The sum of the lengths, exact whether or not it fits in 64 bits."""
+    values = lengths * copies
+    column = np.array(values, dtype=np.uint64)
+    d = Descriptors(column, column, column, ())
+    assert d.total_bytes == sum(values)
