@@ -16,7 +16,7 @@ import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
 
-from rd2h_protocol.checker.configs import _FAULTS, CONFIGS
+from rd2h_protocol.checker.configs import _FAULTS, CONFIGS, VARIANT_STATES, max_states_of
 from rd2h_protocol.checker.explore import ExploreResult, _explore_star
 from rd2h_protocol.checker.model import WorldConfig
 
@@ -29,7 +29,7 @@ def _report(result: ExploreResult, max_states: int) -> None:
     elif result.complete:
         status = "complete"
     else:
-        status = f"stopped at --max-states {max_states}"
+        status = f"stopped at its bound of {max_states} states"
     print(
         f"{result.name}: {result.states} distinct states, {result.transitions} transitions, "
         f"depth {result.depth}, {result.final_states} final states, {status}, "
@@ -98,8 +98,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--max-states",
         type=int,
-        default=1_000_000,
-        help="stop a configuration after this many distinct states (default: %(default)s)",
+        help="stop every configuration after this many distinct states (default: "
+        f"{VARIANT_STATES} for a NAME+FAULT variant, 1000000 for the others)",
     )
     parser.add_argument(
         "--budget",
@@ -143,7 +143,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if overrides:
         cfgs = [replace(c, budgets=tuple({**dict(c.budgets), **overrides}.items())) for c in cfgs]
     work = [
-        (name, variant, args.max_states, symmetry)
+        (name, variant, args.max_states or max_states_of(name), symmetry)
         for name, cfg in zip(names, cfgs, strict=True)
         for variant, symmetry in _variants(cfg, args.symmetry, args.compare_reduction)
     ]
@@ -158,7 +158,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             results = pool.imap(_explore_star, work)  # in order, each as soon as it can
         for _ in names:
             result = next(results)
-            _report(result, args.max_states)
+            _report(result, args.max_states or max_states_of(result.name))
             if args.compare_reduction:
                 _report_reduction(args.compare_reduction, result, next(results))
             total_states += result.states
