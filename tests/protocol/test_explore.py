@@ -16,7 +16,7 @@ import pytest
 from rd2h_protocol import producer as producer_module
 from rd2h_protocol.checker.canonical import fingerprint
 from rd2h_protocol.checker.cli import main
-from rd2h_protocol.checker.configs import CONFIGS
+from rd2h_protocol.checker.configs import CONFIGS, VARIANT_STATES, max_states_of
 from rd2h_protocol.checker.explore import explore
 from rd2h_protocol.checker.invariants import INVARIANTS, InvariantViolation
 from rd2h_protocol.checker.model import RequestSpec, WorldConfig
@@ -207,6 +207,10 @@ def test_every_fault_of_the_issue_is_explored_in_every_designed_configuration() 
             variant = CONFIGS.get(f"{name}+{fault}")
             assert own >= 1 or (variant is not None and dict(variant.budgets)[fault] == 1)
             assert variant is None or variant.expect == CONFIGS[name].expect
+
+
+def test_only_the_variants_are_bounded_by_default() -> None:
+    assert max_states_of("tp2-d2+kill") == VARIANT_STATES < max_states_of("tp2-d2")
 
 
 def test_every_configuration_spends_a_lose_budget() -> None:
