@@ -15,8 +15,10 @@ checked after every step. Two drivers explore that model:
 How to run it
 -------------
 ``python -m rd2h_protocol.checker`` explores every configuration of
-:data:`~rd2h_protocol.checker.configs.CONFIGS` completely (``--config NAME`` for one,
-``--max-states N`` to bound it, ``--list`` to list them, ``--help`` for the rest); it
+:data:`~rd2h_protocol.checker.configs.CONFIGS`: the designed ones completely, their
+``NAME+FAULT`` variants up to a number of states
+(:data:`~rd2h_protocol.checker.configs.VARIANT_STATES`) (``--config NAME`` for one,
+``--max-states N`` to bound every one, ``--list`` to list them, ``--help`` for the rest); it
 exits 1 on any unexpected violation, printing a shortest trace to it. ``tools/run-tests.sh``
 runs it with the full suite; ``tests/protocol`` runs it bounded.
 

@@ -16,8 +16,9 @@ import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
 
-from rd2h_protocol.checker.configs import _FAULTS, CONFIGS
+from rd2h_protocol.checker.configs import _FAULTS, CONFIGS, VARIANT_STATES, max_states_of
 from rd2h_protocol.checker.explore import ExploreResult, _explore_star
+from rd2h_protocol.checker.model import WorldConfig
 
 __all__ = ["main"]
 
@@ -28,7 +29,7 @@ def _report(result: ExploreResult, max_states: int) -> None:
     elif result.complete:
         status = "complete"
     else:
-        status = f"stopped at --max-states {max_states}"
+        status = f"stopped at its bound of {max_states} states"
     print(
         f"{result.name}: {result.states} distinct states, {result.transitions} transitions, "
         f"depth {result.depth}, {result.final_states} final states, {status}, "
@@ -49,15 +50,33 @@ def _report(result: ExploreResult, max_states: int) -> None:
     sys.stdout.flush()
 
 
-def _report_reduction(reduced: ExploreResult, plain: ExploreResult) -> None:
+def _report_reduction(reduction: str, reduced: ExploreResult, plain: ExploreResult) -> None:
     print(
-        f"{reduced.name}: symmetry reduction {reduced.states} states in "
+        f"{reduced.name}: {reduction} reduction {reduced.states} states in "
         f"{reduced.cpu_seconds:.1f} s CPU, without {plain.states} states in "
         f"{plain.cpu_seconds:.1f} s CPU: states x{plain.states / reduced.states:.2f}, "
         f"CPU time x{plain.cpu_seconds / max(reduced.cpu_seconds, 1e-9):.2f}"
         + ("" if reduced.complete and plain.complete else " (bounded by --max-states)"),
         flush=True,
     )
+
+
+# The reductions --compare-reduction measures (see rd2h_protocol.checker.canonical).
+_REDUCTIONS = ("symmetry", "duplicates")
+
+
+def _variants(
+    cfg: WorldConfig, symmetry: bool, compare: str | None
+) -> list[tuple[WorldConfig, bool]]:
+    """How to explore ``cfg``: as asked, or (``compare``) with that reduction, then without."""
+    if compare == "symmetry":
+        return [(cfg, True), (cfg, False)]
+    if compare == "duplicates":
+        return [
+            (replace(cfg, duplicate_on_delivery=True), symmetry),
+            (replace(cfg, duplicate_on_delivery=False), symmetry),
+        ]
+    return [(cfg, symmetry)]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -79,8 +98,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--max-states",
         type=int,
-        default=1_000_000,
-        help="stop a configuration after this many distinct states (default: %(default)s)",
+        help="stop every configuration after this many distinct states (default: "
+        f"{VARIANT_STATES} for a NAME+FAULT variant, 1000000 for the others)",
     )
     parser.add_argument(
         "--budget",
@@ -103,9 +122,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument(
         "--compare-reduction",
-        action="store_true",
-        help="explore every chosen configuration with and without the symmetry reduction "
-        "and print the ratios of states and of CPU time",
+        choices=_REDUCTIONS,
+        help="explore every chosen configuration with and without this reduction and print "
+        "the ratios of states and of CPU time",
     )
     parser.add_argument("--list", action="store_true", help="list the configurations and exit")
     args = parser.parse_args(argv)
@@ -123,11 +142,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfgs = [CONFIGS[name] for name in names]
     if overrides:
         cfgs = [replace(c, budgets=tuple({**dict(c.budgets), **overrides}.items())) for c in cfgs]
-    ways = (True, False) if args.compare_reduction else (args.symmetry,)
     work = [
-        (name, cfg, args.max_states, symmetry)
+        (name, variant, args.max_states or max_states_of(name), symmetry)
         for name, cfg in zip(names, cfgs, strict=True)
-        for symmetry in ways
+        for variant, symmetry in _variants(cfg, args.symmetry, args.compare_reduction)
     ]
     jobs = min(len(work), args.jobs or os.cpu_count() or 1)
     total_states = 0
@@ -140,9 +158,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             results = pool.imap(_explore_star, work)  # in order, each as soon as it can
         for _ in names:
             result = next(results)
-            _report(result, args.max_states)
+            _report(result, args.max_states or max_states_of(result.name))
             if args.compare_reduction:
-                _report_reduction(result, next(results))
+                _report_reduction(args.compare_reduction, result, next(results))
             total_states += result.states
             incomplete += not result.complete
             failed += not result.passed

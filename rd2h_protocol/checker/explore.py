@@ -34,10 +34,11 @@ import pickle
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 from rd2h_protocol.checker.canonical import fingerprint
 from rd2h_protocol.checker.invariants import InvariantViolation
-from rd2h_protocol.checker.model import WorldConfig
+from rd2h_protocol.checker.model import Action, WorldConfig
 from rd2h_protocol.checker.world import World
 
 __all__ = ["ExploreResult", "explore"]
@@ -86,9 +87,11 @@ class ExploreResult:
         unexpected = self.unexpected
         return self.found[unexpected[0]][1] if unexpected else []
 
-    def record(self, violation: InvariantViolation, trace: list[str]) -> bool:
-        """Remember ``violation`` (the first of its name only); True if it is expected."""
-        self.found.setdefault(violation.name, (violation, trace))
+    def record(self, violation: InvariantViolation, trace: Callable[[], list[str]]) -> bool:
+        """Remember ``violation`` with ``trace()`` (the first of its name only: its trace is
+        written only then); True if it is expected."""
+        if violation.name not in self.found:
+            self.found[violation.name] = (violation, trace())
         return violation.name in self.expect
 
 
@@ -115,23 +118,38 @@ def explore(
         root = world(cfg)
         root.check()
     except InvariantViolation as exc:
-        result.record(exc, ["(while building the initial state)"])
+        result.record(exc, lambda: ["(while building the initial state)"])
         result.seconds = time.perf_counter() - started
         result.cpu_seconds = time.process_time() - cpu_started
         return result
-    data = root.snapshot()
+    data = root_data = root.snapshot()
     fp = fingerprint(root, symmetry=symmetry)
-    parents: dict[int, tuple[int, str] | None] = {fp: None}
+    # Each state's parent and the action that reached it first; the labels of a trace are
+    # written only for the traces printed (a label per transition cost 2 % of the search).
+    parents: dict[int, tuple[int, Action] | None] = {fp: None}
     frontier: list[tuple[int, bytes]] = [(fp, data)]
 
-    def trace_to(node: int) -> list[str]:
-        steps: list[str] = []
+    def trace_to(node: int, last: Action | None = None, end: str | None = None) -> list[str]:
+        """The labels of the path to ``node`` (and of ``last``, taken from there; then
+        ``end``), replayed from the root: each state as the search held it, a snapshot
+        read back."""
+        path: list[Action] = []
         entry = parents[node]
         while entry is not None:
-            node, label = entry
-            steps.append(label)
+            node, act = entry
+            path.append(act)
             entry = parents[node]
-        return steps[::-1]
+        path.reverse()
+        if last is not None:
+            path.append(last)
+        labels: list[str] = []
+        state: World = pickle.loads(root_data)
+        for n, act in enumerate(path):
+            labels.append(state.describe(act))
+            if n < len(path) - 1:
+                state.apply(act)
+                state = pickle.loads(state.snapshot())
+        return labels if end is None else [*labels, end]
 
     stop = False
     while frontier and not stop:
@@ -145,27 +163,26 @@ def explore(
                     state.check_quiescent()
                     state.check_idle()
                 except InvariantViolation as exc:
-                    stop = not result.record(exc, [*trace_to(fp), "(no action left)"])
+                    stop = not result.record(exc, partial(trace_to, fp, None, "(no action left)"))
                     if stop:
                         break
                 continue
             for n, act in enumerate(acts):
-                label = state.describe(act)
                 # The last action may consume the parent itself: one copy fewer.
                 child: World = state if n == len(acts) - 1 else pickle.loads(data)
                 result.transitions += 1
                 try:
                     child.apply(act)
                 except InvariantViolation as exc:
-                    stop = not result.record(exc, [*trace_to(fp), label])
+                    stop = not result.record(exc, partial(trace_to, fp, act))
                 except Exception as exc:  # an endpoint that raises is a bug too
                     crash = InvariantViolation("CRASH", f"{type(exc).__name__}: {exc}")
-                    stop = not result.record(crash, [*trace_to(fp), label])
+                    stop = not result.record(crash, partial(trace_to, fp, act))
                 else:
                     child_fp = fingerprint(child, symmetry=symmetry)
                     if child_fp in parents:
                         continue
-                    parents[child_fp] = (fp, label)
+                    parents[child_fp] = (fp, act)
                     successors.append((child_fp, child.snapshot()))
                     if len(parents) >= max_states:
                         result.complete = False

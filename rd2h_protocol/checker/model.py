@@ -109,6 +109,11 @@ class WorldConfig:
     ``v1_lease_expiry="reopen"`` toward a Decode that cannot be told): the explorer then
     explores past each violating state (without expanding it) and the configuration
     passes only if it finds exactly these (see :func:`~rd2h_protocol.checker.explore.explore`).
+
+    ``duplicate_on_delivery`` (explorer): a ``dup`` delivers the frame and queues a copy
+    behind everything its connection holds then, instead of queueing the copy at any
+    earlier instant (a reduction: "Duplicates made on delivery" in
+    :mod:`~rd2h_protocol.checker.canonical` says what it leaves unexplored).
     """
 
     p_tp: int = 2
@@ -134,6 +139,7 @@ class WorldConfig:
     decode_capabilities: tuple[str, ...] = ALL_CAPABILITIES
     silent_peer_timeout_s: float | None = None
     expect: tuple[str, ...] = ()
+    duplicate_on_delivery: bool = True
 
 
 @dataclass(slots=True)

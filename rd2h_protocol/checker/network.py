@@ -83,6 +83,14 @@ class NetworkWorld(WorldCore):
         """Deliver frame ``i`` twice: a copy joins the end of its connection's queue."""
         self.network.append(self.network[i])
 
+    def deliver_duplicated(self, i: int) -> None:
+        """Deliver frame ``i`` and leave a copy at the end of its connection's queue: the
+        explorer's duplicate, made at the latest instant :meth:`duplicate` could make it
+        (see "Duplicates made on delivery" in :mod:`~rd2h_protocol.checker.canonical`)."""
+        copy = self.network[i]
+        self.deliver(i)
+        self.network.append(copy)
+
     def breakable(self) -> list[tuple[int, str]]:
         """(Prefill rank, Decode endpoint) connections with something to lose or resend."""
         out: list[tuple[int, str]] = []

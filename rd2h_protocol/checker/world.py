@@ -255,7 +255,10 @@ class World(TimedWorld):
             self.drop(_int(action[1]))
         elif kind == "dup":
             self._spend("dup")
-            self.duplicate(_int(action[1]))
+            if self.cfg.duplicate_on_delivery:
+                self.deliver_duplicated(_int(action[1]))
+            else:
+                self.duplicate(_int(action[1]))
         elif kind == "read":
             key = action[1]
             assert isinstance(key, tuple)

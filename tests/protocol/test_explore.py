@@ -15,7 +15,7 @@ import pytest
 
 from rd2h_protocol.checker.canonical import fingerprint
 from rd2h_protocol.checker.cli import main
-from rd2h_protocol.checker.configs import CONFIGS
+from rd2h_protocol.checker.configs import CONFIGS, VARIANT_STATES, max_states_of
 from rd2h_protocol.checker.explore import explore
 from rd2h_protocol.checker.invariants import INVARIANTS, InvariantViolation
 from rd2h_protocol.checker.model import RequestSpec, WorldConfig
@@ -171,7 +171,7 @@ def test_no_done_while_a_parked_readiness_still_names_the_request() -> None:
 #: States per configuration the test explores: bounded by work, not wall-clock seconds
 #: (a loaded 2-core machine must not fail it). The complete exploration of every
 #: configuration is its own step in tools/run-tests.sh.
-TEST_STATES = 2000
+TEST_STATES = 500
 
 
 # The bound is the number of states; the timeout only guards against a hang on a machine
@@ -194,6 +194,23 @@ def test_command_explores_every_configuration_without_violation() -> None:
         # Complete below the bound, or stopped exactly at it: never stopped early.
         assert (", complete," in line and states > 100) or states >= TEST_STATES, line
     assert "violations=0" in lines[-1], proc.stdout + proc.stderr
+
+
+def test_every_fault_of_the_issue_is_explored_in_every_designed_configuration() -> None:
+    """Issue 10: duplicates, kills and aborts in every configuration, tp2-d2 included (each
+    in the configuration itself or in its ``+fault`` variant)."""
+    designed = [name for name in CONFIGS if "+" not in name]
+    assert "tp2-d2" in designed
+    for name in designed:
+        for fault in ("dup", "kill", "abort"):
+            own = dict(CONFIGS[name].budgets).get(fault, 0)
+            variant = CONFIGS.get(f"{name}+{fault}")
+            assert own >= 1 or (variant is not None and dict(variant.budgets)[fault] == 1)
+            assert variant is None or variant.expect == CONFIGS[name].expect
+
+
+def test_only_the_variants_are_bounded_by_default() -> None:
+    assert max_states_of("tp2-d2+kill") == VARIANT_STATES < max_states_of("tp2-d2")
 
 
 def test_every_configuration_spends_a_lose_budget() -> None:
@@ -332,7 +349,8 @@ def test_requests_that_differ_are_not_interchangeable() -> None:
 
 
 def test_compare_reduction_prints_the_ratios(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["--config", "reopen", "--compare-reduction", "--jobs", "1"]) == 0
+    args = ["--config", "reopen", "--compare-reduction", "symmetry", "--max-states", "2000"]
+    assert main([*args, "--jobs", "1"]) == 0
     (line,) = [x for x in capsys.readouterr().out.splitlines() if "symmetry reduction" in x]
     assert "states x" in line and "CPU time x" in line
 
@@ -435,3 +453,37 @@ def test_budget_option_adds_faults(capsys: pytest.CaptureFixture[str]) -> None:
 def test_budget_option_refuses_an_unknown_fault() -> None:
     with pytest.raises(SystemExit):
         main(["--config", "faults", "--budget", "teleport=1"])
+
+
+# -- duplicates made on delivery -----------------------------------------------------------
+
+
+def _world_with_an_ack_in_flight(cfg: WorldConfig = SMALL) -> tuple[World, int]:
+    """A Prefill rank and a Decode rank, the Decode's answer to the handshake in flight."""
+    world = World(cfg)
+    world.new_request(RequestSpec("r", 0, (2,)))
+    world.decode_add("r")
+    world.prefill_add("r")
+    world.write_layer(0)  # the first readiness opens the connection: MF_META goes out
+    world.deliver(world.deliverable()[0])
+    (ack,) = [i for i in world.droppable() if world.network[i].kind == "Ack"]
+    return world, ack
+
+
+def test_a_duplicate_on_delivery_delivers_and_queues_a_copy_behind_its_connection() -> None:
+    world, ack = _world_with_an_ack_in_flight()
+    frame = world.network[ack]
+    world.deliver_duplicated(ack)
+    same_connection = [f for f in world.network if (f.src, f.dst) == (frame.src, frame.dst)]
+    assert same_connection[-1] == frame and world.network.count(frame) == 1
+    assert set(world.producers[0].connections().values()) == {"ready_v2"}  # ACK delivered
+
+
+@pytest.mark.parametrize("on_delivery", [True, False])
+def test_the_dup_action_follows_the_configured_duplicate(on_delivery: bool) -> None:
+    cfg = replace(SMALL, duplicate_on_delivery=on_delivery, budgets=(("dup", 1),))
+    world, ack = _world_with_an_ack_in_flight(cfg)
+    frame = world.network[ack]
+    world.apply(("dup", ack))
+    # On delivery: one copy left; otherwise the original and its copy both wait.
+    assert world.network.count(frame) == (1 if on_delivery else 2)
