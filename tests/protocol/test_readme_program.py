@@ -20,7 +20,7 @@ def test_readme_program_is_short_and_imports_only_the_package_root() -> None:
     program = readme_program()
     assert len(program.splitlines()) <= 40
     imports = re.findall(r"^(?:from|import) (\S+)", program, re.M)
-    assert set(imports) == {"collections", "rd2h_protocol"}
+    assert set(imports) == {"rd2h_protocol"}
 
 
 def test_readme_program_moves_a_request_over_every_layer() -> None:
