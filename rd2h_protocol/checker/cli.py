@@ -16,7 +16,13 @@ import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
 
-from rd2h_protocol.checker.configs import _FAULTS, CONFIGS, VARIANT_STATES, max_states_of
+from rd2h_protocol.checker.configs import (
+    _FAULTS,
+    CONFIGS,
+    DESIGNED_STATES,
+    VARIANT_STATES,
+    max_states_of,
+)
 from rd2h_protocol.checker.explore import ExploreResult, _explore_star
 from rd2h_protocol.checker.model import WorldConfig
 
@@ -99,7 +105,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--max-states",
         type=int,
         help="stop every configuration after this many distinct states (default: "
-        f"{VARIANT_STATES} for a NAME+FAULT variant, 1000000 for the others)",
+        f"{VARIANT_STATES} for a NAME+FAULT variant, {DESIGNED_STATES} for the others)",
     )
     parser.add_argument(
         "--budget",
@@ -142,9 +148,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfgs = [CONFIGS[name] for name in names]
     if overrides:
         cfgs = [replace(c, budgets=tuple({**dict(c.budgets), **overrides}.items())) for c in cfgs]
+    bounds = [args.max_states or max_states_of(name) for name in names]
     work = [
-        (name, variant, args.max_states or max_states_of(name), symmetry)
-        for name, cfg in zip(names, cfgs, strict=True)
+        (name, variant, bound, symmetry)
+        for name, cfg, bound in zip(names, cfgs, bounds, strict=True)
         for variant, symmetry in _variants(cfg, args.symmetry, args.compare_reduction)
     ]
     jobs = min(len(work), args.jobs or os.cpu_count() or 1)
@@ -156,9 +163,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if jobs > 1:
             pool = stack.enter_context(multiprocessing.get_context("fork").Pool(jobs))
             results = pool.imap(_explore_star, work)  # in order, each as soon as it can
-        for _ in names:
+        for bound in bounds:
             result = next(results)
-            _report(result, args.max_states or max_states_of(result.name))
+            _report(result, bound)
             if args.compare_reduction:
                 _report_reduction(args.compare_reduction, result, next(results))
             total_states += result.states

@@ -18,7 +18,7 @@ from typing import Final
 from rd2h_protocol.checker.model import RequestSpec, WorldConfig
 from rd2h_protocol.wire.messages import ALL_CAPABILITIES
 
-__all__ = ["CONFIGS", "VARIANT_STATES", "max_states_of"]
+__all__ = ["CONFIGS", "DESIGNED_STATES", "VARIANT_STATES", "max_states_of"]
 
 
 def _two_requests(
@@ -171,9 +171,14 @@ CONFIGS: Final[dict[str, WorldConfig]] = _widened(_BASE)
 VARIANT_STATES: Final = 30_000
 
 
+#: Distinct states the default run explores of a designed configuration at most (all of
+#: them today: the largest has 30 967).
+DESIGNED_STATES: Final = 1_000_000
+
+
 def max_states_of(name: str) -> int:
     """The default bound of configuration ``name`` (see :data:`VARIANT_STATES`)."""
-    return VARIANT_STATES if "+" in name else 1_000_000
+    return DESIGNED_STATES if name in _BASE else VARIANT_STATES
 
 
 _FAULTS: Final = (
