@@ -3,9 +3,19 @@ cross-memory attach (``process_vm_readv(2)``), no transfer engine in between.
 
 When Prefill and Decode run on one machine, a read needs no network stack and no staging:
 one system call moves up to ``IOV_MAX`` (1024) descriptors, each copied once, by the
-kernel, from Prefill's address space into Decode's. There is nothing to install (Linux
-only) and nothing runs in the background: when :meth:`read` returns, no byte can still
-arrive, so :meth:`quiesce` has nothing to wait for.
+kernel, from Prefill's address space into Decode's. A call that returns short (it copied
+the descriptors before one it could not) is continued from the byte where it stopped; a
+call that copies nothing is the error. There is nothing to install (Linux only), and when
+:meth:`read` returns, no byte can still arrive, so :meth:`quiesce` has nothing to wait for.
+
+Option ``threads`` (default 1): how many threads copy one read. With N > 1 a read of at
+least 2 x 2 MiB is cut into up to N byte-balanced parts (a descriptor may be cut in two),
+the calling thread copies one and a persistent pool of N - 1 threads, started once per
+backend and ended by :meth:`close`, the others; the read returns when every part has
+ended, failed or not. The default is 1 because a second thread did not pay on the 2-core
+machine this was measured on (benchmarks/bench_datapath.py: cma reached ~0.9 of a
+one-thread memcpy from cold caches, and two threads of each moved no more); where cores
+and memory bandwidth are free, a few threads may.
 
 The session id a Prefill publishes (MF_META carries it) names the process and what it
 registered: ``cma:<boot id>:<pid>:<start time>:<region>,<region>...`` with each region
@@ -33,14 +43,16 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import errno
+import itertools
 import os
 import time
+from concurrent import futures
 from pathlib import Path
 from typing import Any, ClassVar, Final, NoReturn
 
 import numpy as np
 
-from rd2h_protocol.errors import TransferError
+from rd2h_protocol.errors import ConfigError, TransferError
 from rd2h_runtime.transfer.base import RegionSet, TransferBackend, U64Array
 
 __all__ = ["CmaBackend"]
@@ -48,6 +60,8 @@ __all__ = ["CmaBackend"]
 _PREFIX: Final = "cma:"
 _IOV_MAX: Final = 1024  # descriptors per system call (the kernel's UIO_MAXIOV)
 _CALL_BYTES: Final = 32 << 20  # bytes per system call, between two deadline checks
+DEFAULT_THREADS: Final = 1  # threads copying one read (see the module docstring)
+_PART_MIN_BYTES: Final = 2 << 20  # a read is split only into parts at least this large
 _MAX_SESSION_LEN: Final = 4096  # MF_META's bound on a name
 _PR_SET_PTRACER: Final = 0x59616D61
 _PR_SET_PTRACER_ANY: Final = ctypes.c_ulong(-1).value
@@ -93,14 +107,32 @@ class CmaBackend(TransferBackend):
     """Reads another process's registered memory on this host with ``process_vm_readv``."""
 
     name: ClassVar[str] = "cma"
-    option_names: ClassVar[tuple[str, ...]] = ()
+    option_names: ClassVar[tuple[str, ...]] = ("threads",)
 
-    def __init__(self, *, role: str, host: str = "127.0.0.1", **options: Any) -> None:
+    def __init__(
+        self,
+        *,
+        role: str,
+        host: str = "127.0.0.1",
+        threads: int = DEFAULT_THREADS,
+        **options: Any,
+    ) -> None:
         self._check_options(options)
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+            raise ConfigError(f"cma option threads must be an integer >= 1; got {threads!r}")
         super().__init__(role=role, host=host)
         if not Path("/proc/self/stat").exists():
             raise TransferError("the cma backend needs Linux (/proc and process_vm_readv)")
         self._libc = _libc()
+        self._readv = self._libc.process_vm_readv
+        self._threads = threads
+        # The threads besides the caller's that copy parts of one read: started with the
+        # first split read, reused by every later one, ended by close().
+        self._pool = (
+            futures.ThreadPoolExecutor(threads - 1, thread_name_prefix="rd2h-cma-copy")
+            if threads > 1
+            else None
+        )
         self._boot = _boot_id()
         self._pid = os.getpid()
         self._start = _start_time(self._pid)
@@ -174,56 +206,106 @@ class CmaBackend(TransferBackend):
                 f"remote range {int(remote[bad]):#x}+{int(lengths[bad])} (descriptor {bad}) "
                 f"is outside the regions cma session of pid {pid} registered"
             )
-        count = lengths.shape[0]
-        local_iov = np.empty((count, 2), dtype=np.uint64)
-        local_iov[:, 0], local_iov[:, 1] = local, lengths
-        remote_iov = np.empty((count, 2), dtype=np.uint64)
-        remote_iov[:, 0], remote_iov[:, 1] = remote, lengths
-        ends = np.cumsum(lengths, dtype=np.uint64)
-        start = 0
-        while start < count:
-            # One call: at most _IOV_MAX descriptors and about _CALL_BYTES (a longer single
-            # descriptor alone), so the deadline is checked every few milliseconds.
-            before = int(ends[start - 1]) if start else 0
-            stop = int(np.searchsorted(ends, before + _CALL_BYTES, side="right"))
-            stop = min(max(stop, start + 1), start + _IOV_MAX, count)
-            want = int(ends[stop - 1]) - before
-            done = self._libc.process_vm_readv(
+        layout = _Layout(remote, local, lengths)
+        parts = max(1, min(self._threads, layout.total // _PART_MIN_BYTES))
+        bounds = [layout.total * k // parts for k in range(parts + 1)]
+        if self._pool is None or parts == 1:
+            self._copy(pid, layout, 0, layout.total, deadline)
+            return
+        others = [
+            self._pool.submit(self._copy, pid, layout, lo, hi, deadline)
+            for lo, hi in itertools.pairwise(bounds[1:])
+        ]
+        try:
+            self._copy(pid, layout, bounds[0], bounds[1], deadline)
+        finally:
+            # Every part has ended before read() returns, failed or not: no byte arrives
+            # later (a part stops at the deadline too).
+            futures.wait(others)
+        for part in others:
+            part.result()  # a pool part's TransferError
+
+    def _copy(self, pid: int, layout: _Layout, lo: int, hi: int, deadline: float) -> None:
+        """Copy bytes ``[lo, hi)`` of the read (its descriptors laid end to end) in as few
+        calls as the limits allow. A call that copies less than asked is continued from
+        the byte where it stopped; one that copies nothing is an error."""
+        offset = lo
+        while offset < hi:
+            local_iov, remote_iov, first = layout.call(offset, hi)
+            done = self._readv(
                 pid,
-                local_iov[start:stop].ctypes.data,
-                stop - start,
-                remote_iov[start:stop].ctypes.data,
-                stop - start,
+                local_iov.ctypes.data,
+                local_iov.shape[0],
+                remote_iov.ctypes.data,
+                remote_iov.shape[0],
                 0,
             )
-            if done != want:
-                self._failed(pid, done, want, start, lengths)
-            start = stop
-            if time.monotonic() > deadline:
+            if done <= 0:
+                self._failed(pid, done, first, layout)
+            offset += done
+            if offset < hi and time.monotonic() > deadline:
                 raise TransferError(
-                    f"cma read timed out after {start} of {count} descriptors", transient=True
+                    f"cma read timed out after {offset - lo} of {hi - lo} bytes of its part",
+                    transient=True,
                 )
 
-    def _failed(self, pid: int, done: int, want: int, start: int, lengths: U64Array) -> NoReturn:
-        if done < 0:
-            code = ctypes.get_errno()
-            hint = ""
-            if code == errno.EPERM:
-                hint = (
-                    f"; not allowed to read process {pid} (another user, or Yama "
-                    f"ptrace_scope {_ptrace_scope()}: the Prefill needs the same user and "
-                    "ptrace_scope <= 1)"
-                )
-            elif code == errno.ESRCH:
-                hint = f"; process {pid} is gone"
-            raise TransferError(f"cma read failed: {os.strerror(code)}{hint}", code)
-        # A short read stops at the first descriptor the kernel could not copy.
-        offsets = np.cumsum(lengths[start:], dtype=np.uint64)
-        failed = start + int(np.searchsorted(offsets, done, side="right"))
-        raise TransferError(
-            f"cma read of process {pid} stopped after {done} of {want} bytes, at descriptor "
-            f"{failed}: its memory is not mapped there any more"
+    def _failed(self, pid: int, done: int, descriptor: int, layout: _Layout) -> NoReturn:
+        where = (
+            f"cma read of process {pid} failed at descriptor {descriptor} "
+            f"({int(layout.remote[descriptor]):#x}+{int(layout.lengths[descriptor])})"
         )
+        if done == 0:
+            raise TransferError(f"{where}: the kernel copied nothing")
+        code = ctypes.get_errno()
+        hint = ""
+        if code == errno.EPERM:
+            hint = (
+                f"; not allowed to read process {pid} (another user, or Yama "
+                f"ptrace_scope {_ptrace_scope()}: the Prefill needs the same user and "
+                "ptrace_scope <= 1)"
+            )
+        elif code == errno.ESRCH:
+            hint = f"; process {pid} is gone"
+        elif code == errno.EFAULT:
+            hint = (
+                "; the memory there (Prefill's, or our destination) is not mapped any more: "
+                "was it freed after it was registered?"
+            )
+        raise TransferError(f"{where}: {os.strerror(code)}{hint}", code)
 
     def _close(self) -> None:
         self._peers.clear()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+
+
+class _Layout:
+    """One read's descriptors laid end to end as a byte stream, cut into system calls."""
+
+    __slots__ = ("ends", "lengths", "local", "remote", "total")
+
+    def __init__(self, remote: U64Array, local: U64Array, lengths: U64Array) -> None:
+        self.remote, self.local, self.lengths = remote, local, lengths
+        self.ends = np.cumsum(lengths, dtype=np.uint64)  # stream offset after each descriptor
+        self.total = int(self.ends[-1])
+
+    def call(self, offset: int, hi: int) -> tuple[U64Array, U64Array, int]:
+        """The iovecs of one call moving bytes from ``offset`` on, up to ``hi``: at most
+        ``_IOV_MAX`` descriptors and ``_CALL_BYTES`` (so the deadline is checked every few
+        milliseconds), the first and last descriptor trimmed to the range. Returns (local
+        iovecs, remote iovecs, index of the first descriptor)."""
+        ends = self.ends
+        first = int(np.searchsorted(ends, offset, side="right"))
+        last_allowed = min(first + _IOV_MAX, ends.shape[0]) - 1
+        end = min(hi, offset + _CALL_BYTES, int(ends[last_allowed]))
+        last = int(np.searchsorted(ends, end - 1, side="right"))
+        rows = slice(first, last + 1)
+        skip = offset - (int(ends[first]) - int(self.lengths[first]))
+        iov = np.empty((2, last + 1 - first, 2), dtype=np.uint64)  # local, remote
+        iov[0, :, 0] = self.local[rows]
+        iov[1, :, 0] = self.remote[rows]
+        iov[:, :, 1] = self.lengths[rows]
+        iov[:, 0, 0] += np.uint64(skip)
+        iov[:, 0, 1] -= np.uint64(skip)
+        iov[:, -1, 1] -= np.uint64(int(ends[last]) - end)
+        return iov[0], iov[1], first
