@@ -28,6 +28,8 @@ from rd2h_runtime.transfer.cma_backend import CmaBackend
 
 pytestmark = pytest.mark.timeout(60)
 
+Readv = Callable[[int, int, int, int, int, int], int]
+
 
 @pytest.fixture
 def pair() -> Iterator[tuple[CmaBackend, CmaBackend, np.ndarray, np.ndarray]]:
@@ -109,6 +111,68 @@ def test_session_of_a_process_that_is_gone_is_refused() -> None:
             decode.read(session, [addr], [dst.ctypes.data], [4096], timeout_s=5)
 
 
+@pytest.fixture
+def live_source() -> Iterator[tuple[subprocess.Popen[str], str, int]]:
+    """A Prefill process that publishes 4096 bytes of 7s and waits for its stdin to close.
+    Yields (the process, its session id, the source address)."""
+    code = (
+        "import sys\n"
+        "from rd2h_runtime.transfer import create_backend\n"
+        "import numpy as np\n"
+        "b = create_backend('cma', role='prefill'); a = np.full(4096, 7, np.uint8)\n"
+        "b.register([(a.ctypes.data, a.nbytes)]); print(b.session_id, flush=True)\n"
+        "sys.stdin.read()\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None
+        session = proc.stdout.readline().strip()
+        yield proc, session, int(session.rsplit(":", 1)[1].split("+")[0], 16)
+    finally:
+        proc.kill()
+        proc.wait(30)
+
+
+def test_a_peer_that_exits_after_connecting_is_refused(
+    live_source: tuple[subprocess.Popen[str], str, int],
+) -> None:
+    proc, session, addr = live_source
+    dst = np.zeros(4096, dtype=np.uint8)
+    with create_backend("cma", role="decode") as decode:
+        decode.register([(dst.ctypes.data, dst.nbytes)])
+        decode.read(session, [addr], [dst.ctypes.data], [4096], timeout_s=5)
+        assert (dst == 7).all()
+        proc.kill()
+        proc.wait(30)
+        with pytest.raises(TransferError, match="is gone"):
+            decode.read(session, [addr], [dst.ctypes.data], [4096], timeout_s=5)
+
+
+def test_a_peer_that_exits_during_a_read_fails_that_read(
+    live_source: tuple[subprocess.Popen[str], str, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    proc, session, addr = live_source
+    dst = np.zeros(4096, dtype=np.uint8)
+    with create_backend("cma", role="decode") as decode:
+        assert isinstance(decode, CmaBackend)
+        decode.register([(dst.ctypes.data, dst.nbytes)])
+        real: Readv = decode._readv
+
+        def copy_then_peer_exits(
+            pid: int, local: int, n: int, remote: int, m: int, flags: int
+        ) -> int:
+            done = real(pid, local, n, remote, m, flags)
+            proc.kill()
+            proc.wait(30)
+            return done
+
+        monkeypatch.setattr(decode, "_readv", copy_then_peer_exits)
+        with pytest.raises(TransferError, match="exited during the read"):
+            decode.read(session, [addr], [dst.ctypes.data], [4096], timeout_s=5)
+
+
 @pytest.mark.parametrize("session", ["cma:nope", "nixl:abc", "cma:a:b:c:d", "cma:x:1:1:zz+1"])
 def test_malformed_sessions_are_refused(
     session: str, pair: tuple[CmaBackend, CmaBackend, np.ndarray, np.ndarray]
@@ -127,8 +191,6 @@ def test_too_many_regions_for_a_session_id_are_refused_at_registration() -> None
 
 
 # -- copies cut into calls and parts ---------------------------------------------------------
-
-Readv = Callable[[int, int, int, int, int, int], int]
 
 
 def scattered(
