@@ -26,8 +26,12 @@ Pairing: each memcpy sample is taken back to back with a backend sample, the ord
 alternating pair by pair, so a noisy neighbour on a shared machine slows both alike. The
 ratio column is the median over pairs of (memcpy time / backend time), i.e. backend speed
 as a fraction of memcpy's; its interquartile range shows how steady it was. The two GB/s
-columns are each side's own median (GB/s = 1e9 B/s). The bytes of the last read are
-checked against the source's pattern, so a fast wrong read cannot pass.
+columns are each side's own median (GB/s = 1e9 B/s). On a loaded machine a 2 ms sample
+often waits for a CPU: the ``cpu ratio`` column takes the same ratio from the calling
+thread's CPU time (``time.thread_time``; a kernel copy counts as system time), which
+leaves that wait out; it is shown for one-thread rows only, as other threads' CPU time is
+not the caller's. The bytes of the last read are checked against the source's pattern, so
+a fast wrong read cannot pass.
 
 :func:`measure_pairs` takes any two zero-argument callables that each move one layer, so
 the same figures can be produced "through our runtime" (Decode's read worker, planning
@@ -85,6 +89,14 @@ def cache_evictor(cold: bool) -> Callable[[], None]:
 
 
 @dataclass(frozen=True)
+class Samples:
+    """Seconds per call: wall clock, and CPU time of the calling thread."""
+
+    wall: tuple[float, ...]
+    cpu: tuple[float, ...]
+
+
+@dataclass(frozen=True)
 class PairedMeasurement:
     """Back-to-back samples of a baseline and a candidate, each moving ``nbytes``."""
 
@@ -92,30 +104,33 @@ class PairedMeasurement:
     nbytes: int
     threads: int
     descriptors: int
-    baseline: tuple[float, ...]
-    candidate: tuple[float, ...]
-
-    @staticmethod
-    def _gb_per_s(nbytes: int, samples: Sequence[float]) -> float:
-        return nbytes / statistics.median(samples) / 1e9
+    baseline: Samples
+    candidate: Samples
 
     @property
     def baseline_gb_per_s(self) -> float:
-        return self._gb_per_s(self.nbytes, self.baseline)
+        return self.nbytes / statistics.median(self.baseline.wall) / 1e9
 
     @property
     def candidate_gb_per_s(self) -> float:
-        return self._gb_per_s(self.nbytes, self.candidate)
-
-    @property
-    def ratios(self) -> list[float]:
-        """Per pair: baseline time / candidate time (candidate speed as a fraction)."""
-        return [b / c for b, c in zip(self.baseline, self.candidate, strict=True)]
+        return self.nbytes / statistics.median(self.candidate.wall) / 1e9
 
     @property
     def ratio_quartiles(self) -> tuple[float, float, float]:
-        q1, median, q3 = statistics.quantiles(self.ratios, n=4)
-        return q1, median, q3
+        """Quartiles over pairs of baseline wall time / candidate wall time."""
+        return _quartiles(self.baseline.wall, self.candidate.wall)
+
+    @property
+    def cpu_ratio_quartiles(self) -> tuple[float, float, float]:
+        """The same from the calling thread's CPU time: what a one-thread copy would take
+        without waiting for a CPU (meaningless when other threads share the copy)."""
+        return _quartiles(self.baseline.cpu, self.candidate.cpu)
+
+
+def _quartiles(baseline: Sequence[float], candidate: Sequence[float]) -> tuple[float, float, float]:
+    ratios = [b / c for b, c in zip(baseline, candidate, strict=True)]
+    q1, median, q3 = statistics.quantiles(ratios, n=4)
+    return q1, median, q3
 
 
 def measure_pairs(
@@ -124,21 +139,23 @@ def measure_pairs(
     *,
     evict: Callable[[], None],
     repeats: int,
-) -> tuple[tuple[float, ...], tuple[float, ...]]:
+) -> tuple[Samples, Samples]:
     """Time ``baseline`` and ``candidate`` back to back ``repeats`` times after one untimed
     pair (page faults, connections); which goes first alternates; ``evict`` runs before
-    each timed call. Returns (baseline seconds, candidate seconds), pair by pair."""
+    each timed call. Returns the baseline's and the candidate's samples, pair by pair."""
     baseline()
     candidate()
-    timed: tuple[list[float], list[float]] = ([], [])
+    wall: tuple[list[float], list[float]] = ([], [])
+    cpu: tuple[list[float], list[float]] = ([], [])
     for i in range(repeats):
         order = ((0, baseline), (1, candidate)) if i % 2 == 0 else ((1, candidate), (0, baseline))
         for side, move_once in order:
             evict()
-            t0 = time.perf_counter()
+            c0, t0 = time.thread_time(), time.perf_counter()
             move_once()
-            timed[side].append(time.perf_counter() - t0)
-    return tuple(timed[0]), tuple(timed[1])
+            wall[side].append(time.perf_counter() - t0)
+            cpu[side].append(time.thread_time() - c0)
+    return Samples(tuple(wall[0]), tuple(cpu[0])), Samples(tuple(wall[1]), tuple(cpu[1]))
 
 
 @contextlib.contextmanager
@@ -252,25 +269,30 @@ def main(argv: Sequence[str] | None = None) -> int:
                 except (ProtocolError, ImportError, RuntimeError, AssertionError) as exc:
                     reason = str(exc).splitlines()[0][:90]
                     rows.append((name, str(mib), "-", str(threads), "-", "n/a",
-                                 f"({type(exc).__name__}: {reason})"))  # fmt: skip
+                                 f"({type(exc).__name__}: {reason})", ""))  # fmt: skip
                     continue
                 q1, median, q3 = m.ratio_quartiles
+                cpu = "-"
+                if threads == 1:
+                    c1, c2, c3 = m.cpu_ratio_quartiles
+                    cpu = f"{c2:.2f} [{c1:.2f}-{c3:.2f}]"
                 rows.append(
                     (name, str(mib), str(m.descriptors), str(threads),
                      f"{m.baseline_gb_per_s:.2f}", f"{m.candidate_gb_per_s:.2f}",
-                     f"{median:.2f} [{q1:.2f}-{q3:.2f}]")
+                     f"{median:.2f} [{q1:.2f}-{q3:.2f}]", cpu)
                 )  # fmt: skip
     print(
         f"batched read of one layer, {args.chunk}-byte descriptors, {args.cache} caches, "
-        f"{args.repeats} pairs per row (GB/s = 1e9 B/s, medians; ratio = median over pairs "
-        "of backend speed / memcpy speed on as many threads [quartiles])"
+        f"{args.repeats} pairs per row (GB/s = 1e9 B/s, wall-clock medians; ratio = median "
+        "over pairs of backend speed / memcpy speed on as many threads [quartiles]; cpu "
+        "ratio = the same from the calling thread's CPU time, one-thread rows only)"
     )
-    header = ("candidate", "layer MiB", "descs", "threads", "memcpy", "GB/s", "ratio vs memcpy")
-    widths = (10, 9, 6, 7, 7, 7)
+    header = ("candidate", "layer MiB", "descs", "threads", "memcpy", "GB/s", "ratio", "cpu ratio")
+    widths = (10, 9, 6, 7, 7, 7, 18)
     for row in (header, *rows):
         cells = [f"{row[0]:<{widths[0]}}"]
-        cells += [f"{cell:>{width}}" for cell, width in zip(row[1:6], widths[1:], strict=True)]
-        print(" ".join(cells) + f"  {row[6]}")
+        cells += [f"{cell:>{width}}" for cell, width in zip(row[1:7], widths[1:], strict=True)]
+        print(" ".join(cells) + f"  {row[7]}")
     return 0
 
 

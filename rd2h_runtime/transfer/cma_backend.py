@@ -22,12 +22,12 @@ registered: ``cma:<boot id>:<pid>:<start time>:<region>,<region>...`` with each 
 ``<hex address>+<hex length>``. Decode refuses a session from another boot (another host,
 or the same host rebooted), from a process that is gone or whose pid now names another
 process (its start time differs), and any descriptor outside the published regions,
-before a byte moves. It holds each Prefill process by a pidfd (Linux >= 5.3), polled
-before every read and after it: a Prefill that exited during a read fails that read, as
-its pid may have named another process by then. So, as with the engines that register memory, Decode can read only
+before a byte moves. So, as with the engines that register memory, Decode can read only
 what Prefill registered; the session id is bounded (4096 characters in MF_META), which
 bounds the regions to about 150 after merging (vLLM allocates its KV cache in a few large
-tensors; the rd2h engines register one region per storage).
+tensors; the rd2h engines register one region per storage). Decode holds each Prefill
+process by a pidfd (Linux >= 5.3), polled before every read and after it: a Prefill that
+exited during a read fails that read, as its pid may have named another process by then.
 
 Permission: the kernel lets a process read another's memory when it may ptrace it (same
 user, or ``CAP_SYS_PTRACE``). Under Yama's ``ptrace_scope`` 1 (the default on Ubuntu) only
