@@ -29,9 +29,10 @@ as a fraction of memcpy's; its interquartile range shows how steady it was. The 
 columns are each side's own median (GB/s = 1e9 B/s). On a loaded machine a 2 ms sample
 often waits for a CPU: the ``cpu ratio`` column takes the same ratio from the calling
 thread's CPU time (``time.thread_time``; a kernel copy counts as system time), which
-leaves that wait out; it is shown for one-thread rows only, as other threads' CPU time is
-not the caller's. The bytes of the last read are checked against the source's pattern, so
-a fast wrong read cannot pass.
+leaves that wait out. It is shown only where the calling thread does the whole copy
+(loopback, and cma with one thread): an engine's own threads, or a pool's, are not it.
+The bytes of the last read are checked against the source's pattern, so a fast wrong read
+cannot pass.
 
 :func:`measure_pairs` takes any two zero-argument callables that each move one layer, so
 the same figures can be produced "through our runtime" (Decode's read worker, planning
@@ -62,6 +63,8 @@ from rd2h_runtime.transfer import create_backend
 MIB = 1 << 20
 DEFAULT_LAYERS = (20 * MIB, 256 * MIB)
 DEFAULT_BACKENDS = ("loopback", "cma", "nixl", "mooncake", "memfabric")
+# Backends whose read copies on the calling thread (the engines copy on threads of their own).
+CALLER_COPIES = ("loopback", "cma")
 FALLBACK_LLC = 32 * MIB  # when sysfs does not say
 
 
@@ -122,8 +125,8 @@ class PairedMeasurement:
 
     @property
     def cpu_ratio_quartiles(self) -> tuple[float, float, float]:
-        """The same from the calling thread's CPU time: what a one-thread copy would take
-        without waiting for a CPU (meaningless when other threads share the copy)."""
+        """The same from the calling thread's CPU time: what a copy on that thread alone
+        takes without waiting for a CPU (meaningless when other threads do the copy)."""
         return _quartiles(self.baseline.cpu, self.candidate.cpu)
 
 
@@ -273,7 +276,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     continue
                 q1, median, q3 = m.ratio_quartiles
                 cpu = "-"
-                if threads == 1:
+                if name in CALLER_COPIES and threads == 1:
                     c1, c2, c3 = m.cpu_ratio_quartiles
                     cpu = f"{c2:.2f} [{c1:.2f}-{c3:.2f}]"
                 rows.append(
@@ -285,7 +288,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"batched read of one layer, {args.chunk}-byte descriptors, {args.cache} caches, "
         f"{args.repeats} pairs per row (GB/s = 1e9 B/s, wall-clock medians; ratio = median "
         "over pairs of backend speed / memcpy speed on as many threads [quartiles]; cpu "
-        "ratio = the same from the calling thread's CPU time, one-thread rows only)"
+        "ratio = the same from the calling thread's CPU time, where that thread copies all)"
     )
     header = ("candidate", "layer MiB", "descs", "threads", "memcpy", "GB/s", "ratio", "cpu ratio")
     widths = (10, 9, 6, 7, 7, 7, 18)
