@@ -12,10 +12,11 @@ Option ``threads`` (default 1): how many threads copy one read. With N > 1 a rea
 least 2 x 2 MiB is cut into up to N byte-balanced parts (a descriptor may be cut in two),
 the calling thread copies one and a persistent pool of N - 1 threads, started once per
 backend and ended by :meth:`close`, the others; the read returns when every part has
-ended, failed or not. The default is 1 because a second thread did not pay on the 2-core
-machine this was measured on (benchmarks/bench_datapath.py: cma reached ~0.9 of a
-one-thread memcpy from cold caches, and two threads of each moved no more); where cores
-and memory bandwidth are free, a few threads may.
+ended, failed or not. The default is 1: on the 2-vCPU machine this was measured on
+(benchmarks/bench_datapath.py, cold caches, load ~7) two threads moved no more than one,
+for cma as for memcpy (cma x2 2.8-3.0 GB/s at 20 MiB per read and 4.8-5.6 at 256 MiB;
+x1 3.1-7.5 and 5.5), while one thread already reached 0.93-0.98 of a one-thread memcpy at
+256 MiB. Where cores and memory channels are free, a few threads may pay: measure there.
 
 The session id a Prefill publishes (MF_META carries it) names the process and what it
 registered: ``cma:<boot id>:<pid>:<start time>:<region>,<region>...`` with each region
