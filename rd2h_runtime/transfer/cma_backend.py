@@ -327,18 +327,27 @@ class _Peer:
     when that process exits, so a read checks it is alive with one poll, not /proc (which
     cost ~0.2 ms per read of a cold 20 MiB layer)."""
 
-    __slots__ = ("_exit", "pid", "pidfd", "regions")
+    __slots__ = ("_exit", "_guard", "_held", "pid", "pidfd", "regions")
 
     def __init__(self, pid: int, regions: RegionSet, pidfd: int) -> None:
         self.pid, self.regions, self.pidfd = pid, regions, pidfd
         self._exit = select.poll()
         self._exit.register(pidfd, select.POLLIN)
+        # Reads of several threads poll while one may close: never poll a closed pidfd,
+        # whose number another open() may have taken.
+        self._guard = threading.Lock()
+        self._held = True
 
     def exited(self) -> bool:
-        return bool(self._exit.poll(0))
+        """Whether the process has exited (or this handle was closed)."""
+        with self._guard:
+            return not self._held or bool(self._exit.poll(0))
 
     def close(self) -> None:
-        os.close(self.pidfd)
+        with self._guard:
+            if self._held:
+                self._held = False
+                os.close(self.pidfd)
 
 
 class _Layout:
