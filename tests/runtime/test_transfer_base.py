@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rd2h_protocol.errors import ConfigError, MissingExtra, TransferError
-from rd2h_runtime.transfer import RegionSet, create_backend, merge_regions
+from rd2h_runtime.transfer import RegionSet, create_backend, merge_regions, nixl_backend
 from rd2h_runtime.transfer.base import BACKENDS, BlockingCallRunner, as_u64, normalise_role
 
 TOP = 1 << 64
@@ -152,6 +152,10 @@ def test_missing_engine_package_names_the_extra(name: str, monkeypatch: pytest.M
         if mod == engine_module or mod.startswith(engine_module + "."):
             monkeypatch.delitem(sys.modules, mod)
     monkeypatch.setitem(sys.modules, engine_module, None)
+    if name == "nixl":
+        # The NIXL build an earlier test chose (nixl_cu12, ...) is remembered per process;
+        # forget it, so the choice is made again, as in a process without NIXL.
+        monkeypatch.setattr(nixl_backend, "_package", None)
     with pytest.raises(MissingExtra, match=rf"pip install 'rd2h\[{name}\]'") as info:
         create_backend(name, role="decode")
     assert info.value.extra == name
