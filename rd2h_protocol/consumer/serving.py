@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from rd2h_protocol.completion import ContributorSet
 from rd2h_protocol.consumer.frames import _message_ids, _unique
@@ -68,22 +68,11 @@ def _part(ids: Sequence[int], start: int, end: int) -> Sequence[int]:
     return ids if start == 0 and end == len(ids) else ids[start:end]
 
 
-def _whole_share(req: _Request, rr: ReadReq, has_indexer: bool) -> RequestRead:
-    """:meth:`_Serving._share` of an entry whose share is all of it, its source ids proven
-    in range or unbounded by the layout (see :meth:`_Serving._shares_are_whole`): the same
-    result, with only the destination ranges left to check."""
-    main_src = rr.main_block_ids
-    n, base, dst = len(main_src), rr.main_start_block, req.main_ids
-    if base < 0 or base + n > len(dst):  # (the check, inlined: it raises)
-        check_destination_range(req.ext_id, "main", base, n, len(dst))
-    main_dst = dst[base : base + n]
-    if not has_indexer:
-        return RequestRead(req.ext_id, main_src, main_dst, (), ())
-    idx_src = rr.indexer_ids
-    n, base, dst = len(idx_src), rr.indexer_start_block, req.indexer_ids
-    if base < 0 or base + n > len(dst):
-        check_destination_range(req.ext_id, "indexer", base, n, len(dst))
-    return RequestRead(req.ext_id, main_src, main_dst, idx_src, dst[base : base + n])
+class _ShareRule(NamedTuple):
+    """What :meth:`_Serving._share` decides once per readiness, not per request."""
+
+    whole: bool  # every share is its whole entry: one Decode rank (or main not shared), ratio 1
+    num_blocks: int | None  # the bound to check Prefill ids against; None: proven or unbounded
 
 
 class _Serving(_ReadOutcomes):
@@ -197,7 +186,7 @@ class _Serving(_ReadOutcomes):
         entries: list[tuple[str, ReadReq | None]] = list(zip(named, msg.read_reqs, strict=True))
         entries += [(ext, None) for ext in _unique(msg.done_ext_ids) if ext not in counts]
         handled: set[str] = set()
-        whole = self._shares_are_whole(rd, src)
+        rule = self._share_rule(rd, src)
         for ext, entry in entries:
             if repeats:
                 if ext in handled:
@@ -208,7 +197,7 @@ class _Serving(_ReadOutcomes):
                 self._isolate(rd, ext, ErrorCode.UNKNOWN_REQUEST, "unknown request")
                 continue
             read = self._REQUEST.fire(
-                self, req, R_RECV_READINESS, rd, entry, counts.get(ext, 0), src, indexer, now, whole
+                self, req, R_RECV_READINESS, rd, entry, counts.get(ext, 0), rule, indexer, now
             )
             if read is not None and (read.main_src or read.indexer_src):
                 reads.append(read)
@@ -227,26 +216,24 @@ class _Serving(_ReadOutcomes):
         self.stats.reads_started += 1
         self._READINESS.fire(self, rd, M_LOCAL_START_READ)
 
-    def _shares_are_whole(self, rd: _Readiness, src: LayerLayout) -> bool:
-        """Whether every share of this readiness is its whole entry with its source ids
-        proven in range (one Decode rank, one contributor, the bounded decode path or a
-        layout without ``num_blocks``): then :func:`_whole_share` gives what
-        :meth:`_share` would, deciding that once per message instead of per request."""
+    def _share_rule(self, rd: _Readiness, src: LayerLayout) -> _ShareRule:
+        """How every entry of this readiness is shared: whole (one Decode rank and one
+        contributor, the usual shape: no split per request), and whether Prefill's ids
+        still need checking against ``num_blocks`` (not when the bounded decode proved
+        every id of the message below it)."""
         msg, cfg = rd.msg, self.config
         num_blocks = src.num_blocks
-        return (
-            msg.group_member_idx == 0
-            and msg.tp_ratio == 1
-            and (cfg.d_tp == 1 or not cfg.main_shared)
-            and (num_blocks is None or (rd.ids_below is not None and rd.ids_below <= num_blocks))
-        )
+        if num_blocks is not None and rd.ids_below is not None and rd.ids_below <= num_blocks:
+            num_blocks = None  # every Prefill id of the message is below it: checked already
+        whole = (cfg.d_tp == 1 or not cfg.main_shared) and msg.tp_ratio == 1
+        return _ShareRule(whole, num_blocks)
 
     def _share(
         self,
         req: _Request,
         rr: ReadReq,
-        src: LayerLayout,
         rd: _Readiness,
+        rule: _ShareRule,
         has_indexer: bool,
     ) -> RequestRead:
         """This rank's blocks of one readiness entry, mapped to the request's own ids.
@@ -256,12 +243,7 @@ class _Serving(_ReadOutcomes):
         """
         msg, cfg = rd.msg, self.config
         member = msg.group_member_idx
-        # One Decode rank and one contributor (the usual shape): every share is the whole
-        # entry (split_range over one rank), with no call per request.
-        whole = (cfg.d_tp == 1 or not cfg.main_shared) and msg.tp_ratio == 1
-        num_blocks = src.num_blocks
-        if num_blocks is not None and rd.ids_below is not None and rd.ids_below <= num_blocks:
-            num_blocks = None  # every Prefill id of the message is below it: checked already
+        whole, num_blocks = rule
         main_ids = rr.main_block_ids
         n = len(main_ids)
         if whole:
@@ -276,7 +258,7 @@ class _Serving(_ReadOutcomes):
             base = rr.main_start_block
             if base < 0 or base + n > len(req.main_ids):  # (the check, inlined: it raises)
                 check_destination_range(req.ext_id, "main", base, n, len(req.main_ids))
-            main_src = _part(main_ids, start, end)
+            main_src = main_ids if whole else _part(main_ids, start, end)
             main_dst = req.main_ids[base + start : base + end]
             if num_blocks is not None:
                 _check_source(msg.layer_name, "main", main_src, num_blocks)
@@ -292,7 +274,7 @@ class _Serving(_ReadOutcomes):
                 start, end = 0, n
             else:
                 start, end = indexer_share(n, member, msg.tp_ratio, base)
-            idx_src = _part(idx_ids, start, end)
+            idx_src = idx_ids if whole else _part(idx_ids, start, end)
             idx_dst = req.indexer_ids[base + start : base + end]
             if num_blocks is not None:
                 _check_source(msg.layer_name, "indexer", idx_src, num_blocks)
@@ -312,8 +294,8 @@ class _Serving(_ReadOutcomes):
         self.stats.isolated_requests += 1
         rd.isolated.append(FailedRequest(ext, int(code), _clip(text)))
 
-    # The request machine's RECV_READINESS effects: (req, rd, entry, count, src, indexer,
-    # now, whole) -> the request's share of the read, or None (nothing to read for it).
+    # The request machine's RECV_READINESS effects: (req, rd, entry, count, rule, indexer,
+    # now) -> the request's share of the read, or None (nothing to read for it).
 
     def _fx_isolate(self, req: _Request, rd: _Readiness, *_context: Any) -> None:
         """The request stopped waiting: leave it out of the read, report it alone."""
@@ -325,27 +307,20 @@ class _Serving(_ReadOutcomes):
         rd: _Readiness,
         entry: ReadReq | None,
         count: int,
-        src: LayerLayout,
+        rule: _ShareRule,
         indexer: tuple[ComponentAddrs, ...],
         now: float,
-        whole: bool,
     ) -> RequestRead | None:
         """Take the readiness for the request: its entry must be sound (named once, the
         same ``tp_ratio``, a destination range that fits, source ids within the layout),
-        else the request is isolated and fails (``LOCAL_FAIL``). ``whole``: see
-        :meth:`_shares_are_whole`."""
+        else the request is isolated and fails (``LOCAL_FAIL``)."""
         msg = rd.msg
         try:
             if count > 1:
                 raise RemoteProtocolError("the request appears more than once in the message")
             if req.contributors is not None:
                 req.contributors.check_ratio(msg.tp_ratio)
-            if entry is None:
-                read = None
-            elif whole:
-                read = _whole_share(req, entry, bool(indexer))
-            else:
-                read = self._share(req, entry, src, rd, bool(indexer))
+            read = None if entry is None else self._share(req, entry, rd, rule, bool(indexer))
         except ProtocolError as exc:
             self._isolate(rd, req.ext_id, exc.code, exc.message)
             self._request_event(req, R_LOCAL_FAIL, now, exc.code, exc.message)
