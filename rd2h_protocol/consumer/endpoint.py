@@ -211,7 +211,7 @@ class ConsumerEndpoint(_SessionEffects):
         self._retired.pop(ext_req_id, None)
         req = _Request(ext_req_id, main, idx)
         self._requests[ext_req_id] = req
-        self._touch(req, now)
+        self._touch((req,), now)
         if advertised:
             self._request_event(req, R_LOCAL_ADVERTISE, now)
         self._resolve_waiting(ext_req_id, now)
@@ -221,7 +221,7 @@ class ConsumerEndpoint(_SessionEffects):
         """The request's rendezvous was posted (for ``add_request(advertised=False)``)."""
         req = self._known(ext_req_id)
         self._request_event(req, R_LOCAL_ADVERTISE, now)
-        self._touch(req, now)
+        self._touch((req,), now)
         return self._flush()
 
     def abort(self, ext_ids: Iterable[str], reason: str, now: float) -> list[Output]:

@@ -34,7 +34,7 @@ class _ReadOutcomes(_Replies):
         self._READINESS.fire(self, rd, M_LOCAL_READ_OK)
         for req in rd.in_plan:
             req.in_flight -= 1
-            self._request_event(req, R_LOCAL_READ_OK, now)
+        self._REQUEST.fire_batch(self, rd.in_plan, R_LOCAL_READ_OK, now)
         self._count_done(rd, now)
         self._release_quiescent(rd.in_plan, now)
 

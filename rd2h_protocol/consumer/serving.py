@@ -8,7 +8,7 @@ operation in :mod:`rd2h_protocol.consumer`.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 from rd2h_protocol.completion import ContributorSet
@@ -73,6 +73,7 @@ class _ShareRule(NamedTuple):
 
     whole: bool  # every share is its whole entry: one Decode rank (or main not shared), ratio 1
     num_blocks: int | None  # the bound to check Prefill ids against; None: proven or unbounded
+    has_indexer: bool  # the layer has indexer components: the indexer ids are read too
 
 
 class _Serving(_ReadOutcomes):
@@ -178,30 +179,30 @@ class _Serving(_ReadOutcomes):
     ) -> None:
         msg = rd.msg
         named = [rr.ext_req_id for rr in msg.read_reqs]
-        counts = Counter(named)
+        entry_of = dict(zip(named, msg.read_reqs, strict=True))
         # Only entries can name a request twice (done ids are deduplicated and skip those
-        # the entries name): without repeats, every request is handled once as it comes.
-        repeats = len(counts) < len(named)
+        # the entries name); such a request is handled once, where it first stands.
+        twice: set[str] = set()
+        if len(entry_of) < len(named):
+            twice = {ext for ext, n in Counter(named).items() if n > 1}
+            named = list(entry_of)
+        ids = named + [ext for ext in _unique(msg.done_ext_ids) if ext not in entry_of]
         reads: list[RequestRead] = []
-        entries: list[tuple[str, ReadReq | None]] = list(zip(named, msg.read_reqs, strict=True))
-        entries += [(ext, None) for ext in _unique(msg.done_ext_ids) if ext not in counts]
-        handled: set[str] = set()
-        rule = self._share_rule(rd, src)
-        for ext, entry in entries:
-            if repeats:
-                if ext in handled:
+        context = (rd, entry_of, twice, self._share_rule(rd, src, indexer), now, reads)
+        found = list(map(self._requests.get, ids))
+        if None in found:
+            # An unknown request is isolated where it stands, between the runs around it.
+            run: list[_Request] = []
+            for ext, req in zip(ids, found, strict=True):
+                if req is not None:
+                    run.append(req)
                     continue
-                handled.add(ext)
-            req = self._requests.get(ext)
-            if req is None:
+                self._REQUEST.fire_batch(self, run, R_RECV_READINESS, *context)
+                run = []
                 self._isolate(rd, ext, ErrorCode.UNKNOWN_REQUEST, "unknown request")
-                continue
-            read = self._REQUEST.fire(
-                self, req, R_RECV_READINESS, rd, entry, counts.get(ext, 0), rule, indexer, now
-            )
-            if read is not None and (read.main_src or read.indexer_src):
-                reads.append(read)
-                rd.in_plan.append(req)
+            self._REQUEST.fire_batch(self, run, R_RECV_READINESS, *context)
+        else:
+            self._REQUEST.fire_batch(self, found, R_RECV_READINESS, *context)
         if not reads:
             self._READINESS.fire(self, rd, M_LOCAL_NOTHING_TO_READ)
             self._count_done(rd, now)
@@ -216,7 +217,9 @@ class _Serving(_ReadOutcomes):
         self.stats.reads_started += 1
         self._READINESS.fire(self, rd, M_LOCAL_START_READ)
 
-    def _share_rule(self, rd: _Readiness, src: LayerLayout) -> _ShareRule:
+    def _share_rule(
+        self, rd: _Readiness, src: LayerLayout, indexer: tuple[ComponentAddrs, ...]
+    ) -> _ShareRule:
         """How every entry of this readiness is shared: whole (one Decode rank and one
         contributor, the usual shape: no split per request), and whether Prefill's ids
         still need checking against ``num_blocks`` (not when the bounded decode proved
@@ -226,7 +229,7 @@ class _Serving(_ReadOutcomes):
         if num_blocks is not None and rd.ids_below is not None and rd.ids_below <= num_blocks:
             num_blocks = None  # every Prefill id of the message is below it: checked already
         whole = (cfg.d_tp == 1 or not cfg.main_shared) and msg.tp_ratio == 1
-        return _ShareRule(whole, num_blocks)
+        return _ShareRule(whole, num_blocks, bool(indexer))
 
     def _share(
         self,
@@ -234,7 +237,6 @@ class _Serving(_ReadOutcomes):
         rr: ReadReq,
         rd: _Readiness,
         rule: _ShareRule,
-        has_indexer: bool,
     ) -> RequestRead:
         """This rank's blocks of one readiness entry, mapped to the request's own ids.
 
@@ -243,7 +245,7 @@ class _Serving(_ReadOutcomes):
         """
         msg, cfg = rd.msg, self.config
         member = msg.group_member_idx
-        whole, num_blocks = rule
+        whole, num_blocks, has_indexer = rule
         main_ids = rr.main_block_ids
         n = len(main_ids)
         if whole:
@@ -294,40 +296,50 @@ class _Serving(_ReadOutcomes):
         self.stats.isolated_requests += 1
         rd.isolated.append(FailedRequest(ext, int(code), _clip(text)))
 
-    # The request machine's RECV_READINESS effects: (req, rd, entry, count, rule, indexer,
-    # now) -> the request's share of the read, or None (nothing to read for it).
+    # The request machine's RECV_READINESS effects (a batched input): (reqs, rd, entry_of,
+    # twice, rule, now, reads), ``reqs`` a run of the readiness's requests in one state.
 
-    def _fx_isolate(self, req: _Request, rd: _Readiness, *_context: Any) -> None:
-        """The request stopped waiting: leave it out of the read, report it alone."""
-        self._isolate(rd, req.ext_id, *self._not_waiting(req))
+    def _fx_isolate(self, reqs: Sequence[_Request], rd: _Readiness, *_context: Any) -> None:
+        """The requests stopped waiting: leave them out of the read, report each alone."""
+        for req in reqs:
+            self._isolate(rd, req.ext_id, *self._not_waiting(req))
 
     def _fx_accept(
         self,
-        req: _Request,
+        reqs: Sequence[_Request],
         rd: _Readiness,
-        entry: ReadReq | None,
-        count: int,
+        entry_of: Mapping[str, ReadReq],
+        twice: set[str],
         rule: _ShareRule,
-        indexer: tuple[ComponentAddrs, ...],
         now: float,
-    ) -> RequestRead | None:
-        """Take the readiness for the request: its entry must be sound (named once, the
-        same ``tp_ratio``, a destination range that fits, source ids within the layout),
-        else the request is isolated and fails (``LOCAL_FAIL``)."""
-        msg = rd.msg
-        try:
-            if count > 1:
-                raise RemoteProtocolError("the request appears more than once in the message")
-            if req.contributors is not None:
-                req.contributors.check_ratio(msg.tp_ratio)
-            read = None if entry is None else self._share(req, entry, rd, rule, bool(indexer))
-        except ProtocolError as exc:
-            self._isolate(rd, req.ext_id, exc.code, exc.message)
-            self._request_event(req, R_LOCAL_FAIL, now, exc.code, exc.message)
-            return None
-        self._touch(req, now)
-        req.sessions.add(rd.session)
-        if req.contributors is None:
-            req.contributors = ContributorSet(msg.tp_ratio)
-        rd.accepted.append(req)
-        return read
+        reads: list[RequestRead],
+    ) -> None:
+        """Take the readiness for each request: its entry (``entry_of``; none for a done id
+        alone) must be sound (named once, the same ``tp_ratio``, a destination range that
+        fits, source ids within the layout), else the request is isolated and fails
+        (``LOCAL_FAIL``) where it stands. A share with blocks joins ``reads``, in order."""
+        ratio = rd.msg.tp_ratio
+        accepted: list[_Request] = []
+        for req in reqs:
+            ext = req.ext_id
+            entry = entry_of.get(ext)
+            try:
+                if ext in twice:
+                    raise RemoteProtocolError("the request appears more than once in the message")
+                if req.contributors is not None:
+                    req.contributors.check_ratio(ratio)
+                read = None if entry is None else self._share(req, entry, rd, rule)
+            except ProtocolError as exc:
+                self._isolate(rd, ext, exc.code, exc.message)
+                self._request_event(req, R_LOCAL_FAIL, now, exc.code, exc.message)
+                continue
+            accepted.append(req)
+            if read is not None and (read.main_src or read.indexer_src):
+                reads.append(read)
+                rd.in_plan.append(req)
+        self._touch(accepted, now)
+        for req in accepted:
+            req.sessions.add(rd.session)
+            if req.contributors is None:
+                req.contributors = ContributorSet(ratio)
+        rd.accepted += accepted

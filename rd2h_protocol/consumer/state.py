@@ -77,10 +77,14 @@ class _EndpointState:
             raise LocalProtocolError(f"request {ext!r} is not registered")
         return req
 
-    def _touch(self, req: _Request, now: float) -> None:
-        """Restart the request's load timer (it made progress)."""
-        self._deadlines[req.ext_id] = now + self.config.kv_load_timeout_s
-        self._deadlines.move_to_end(req.ext_id)
+    def _touch(self, reqs: Sequence[_Request], now: float) -> None:
+        """Restart the requests' load timers (they made progress): each deadline moves to
+        the end, in the order given (as setting each and moving it to the end would)."""
+        deadlines = self._deadlines
+        exts = [req.ext_id for req in reqs]
+        for ext in exts:
+            deadlines.pop(ext, None)
+        deadlines.update(dict.fromkeys(exts, now + self.config.kv_load_timeout_s))
 
     def _request_event(
         self,
