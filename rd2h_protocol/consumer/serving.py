@@ -69,11 +69,14 @@ def _part(ids: Sequence[int], start: int, end: int) -> Sequence[int]:
 
 
 class _ShareRule(NamedTuple):
-    """What :meth:`_Serving._share` decides once per readiness, not per request."""
+    """What :meth:`_Serving._share` decides once per readiness, not per request: with the
+    entry and the request, all a share depends on (the layer's name is only quoted)."""
 
     whole: bool  # every share is its whole entry: one Decode rank (or main not shared), ratio 1
     num_blocks: int | None  # the bound to check Prefill ids against; None: proven or unbounded
     has_indexer: bool  # the layer has indexer components: the indexer ids are read too
+    member: int  # the readiness's group_member_idx
+    tp_ratio: int
 
 
 class _Serving(_ReadOutcomes):
@@ -188,7 +191,10 @@ class _Serving(_ReadOutcomes):
             named = list(entry_of)
         ids = named + [ext for ext in _unique(msg.done_ext_ids) if ext not in entry_of]
         reads: list[RequestRead] = []
-        context = (rd, entry_of, twice, self._share_rule(rd, src, indexer), now, reads)
+        kept = self._entry_cache.get(rd.session)
+        shares = kept.shares if kept is not None and kept.entries is msg.read_reqs else None
+        rule = self._share_rule(rd, src, indexer)
+        context = (rd, entry_of, twice, rule, shares, now, reads)
         found = list(map(self._requests.get, ids))
         if None in found:
             # An unknown request is isolated where it stands, between the runs around it.
@@ -229,23 +235,17 @@ class _Serving(_ReadOutcomes):
         if num_blocks is not None and rd.ids_below is not None and rd.ids_below <= num_blocks:
             num_blocks = None  # every Prefill id of the message is below it: checked already
         whole = (cfg.d_tp == 1 or not cfg.main_shared) and msg.tp_ratio == 1
-        return _ShareRule(whole, num_blocks, bool(indexer))
+        return _ShareRule(whole, num_blocks, bool(indexer), msg.group_member_idx, msg.tp_ratio)
 
-    def _share(
-        self,
-        req: _Request,
-        rr: ReadReq,
-        rd: _Readiness,
-        rule: _ShareRule,
-    ) -> RequestRead:
-        """This rank's blocks of one readiness entry, mapped to the request's own ids.
+    def _share(self, req: _Request, rr: ReadReq, rule: _ShareRule, layer: str) -> RequestRead:
+        """This rank's blocks of one readiness entry, mapped to the request's own ids
+        (``layer``: the layer's name, for the errors).
 
         No id is copied when the share is the whole entry: the plan holds the message's
         own lists and the request's own (immutable) destination ids.
         """
-        msg, cfg = rd.msg, self.config
-        member = msg.group_member_idx
-        whole, num_blocks, has_indexer = rule
+        cfg = self.config
+        whole, num_blocks, has_indexer, member, tp_ratio = rule
         main_ids = rr.main_block_ids
         n = len(main_ids)
         if whole:
@@ -263,7 +263,7 @@ class _Serving(_ReadOutcomes):
             main_src = main_ids if whole else _part(main_ids, start, end)
             main_dst = req.main_ids[base + start : base + end]
             if num_blocks is not None:
-                _check_source(msg.layer_name, "main", main_src, num_blocks)
+                _check_source(layer, "main", main_src, num_blocks)
         idx_src: Sequence[int] = ()
         idx_dst: Sequence[int] = ()
         if has_indexer:
@@ -275,11 +275,11 @@ class _Serving(_ReadOutcomes):
             if whole:
                 start, end = 0, n
             else:
-                start, end = indexer_share(n, member, msg.tp_ratio, base)
+                start, end = indexer_share(n, member, tp_ratio, base)
             idx_src = idx_ids if whole else _part(idx_ids, start, end)
             idx_dst = req.indexer_ids[base + start : base + end]
             if num_blocks is not None:
-                _check_source(msg.layer_name, "indexer", idx_src, num_blocks)
+                _check_source(layer, "indexer", idx_src, num_blocks)
         return RequestRead(req.ext_id, main_src, main_dst, idx_src, idx_dst)
 
     def _not_waiting(self, req: _Request) -> tuple[ErrorCode, str]:
@@ -297,7 +297,8 @@ class _Serving(_ReadOutcomes):
         rd.isolated.append(FailedRequest(ext, int(code), _clip(text)))
 
     # The request machine's RECV_READINESS effects (a batched input): (reqs, rd, entry_of,
-    # twice, rule, now, reads), ``reqs`` a run of the readiness's requests in one state.
+    # twice, rule, shares, now, reads), ``reqs`` a run of the readiness's requests in one
+    # state.
 
     def _fx_isolate(self, reqs: Sequence[_Request], rd: _Readiness, *_context: Any) -> None:
         """The requests stopped waiting: leave them out of the read, report each alone."""
@@ -311,14 +312,20 @@ class _Serving(_ReadOutcomes):
         entry_of: Mapping[str, ReadReq],
         twice: set[str],
         rule: _ShareRule,
+        shares: dict[str, tuple[ReadReq, _Request, object, RequestRead]] | None,
         now: float,
         reads: list[RequestRead],
     ) -> None:
         """Take the readiness for each request: its entry (``entry_of``; none for a done id
         alone) must be sound (named once, the same ``tp_ratio``, a destination range that
         fits, source ids within the layout), else the request is isolated and fails
-        (``LOCAL_FAIL``) where it stands. A share with blocks joins ``reads``, in order."""
-        ratio = rd.msg.tp_ratio
+        (``LOCAL_FAIL``) where it stands. A share with blocks joins ``reads``, in order.
+
+        ``shares``: those of the session's kept entries (when the message carries them),
+        each reused while it stands for the same entry, request and rule (then its checks
+        passed on these very inputs), else worked out and kept.
+        """
+        ratio, layer = rule.tp_ratio, rd.msg.layer_name
         accepted: list[_Request] = []
         for req in reqs:
             ext = req.ext_id
@@ -328,7 +335,15 @@ class _Serving(_ReadOutcomes):
                     raise RemoteProtocolError("the request appears more than once in the message")
                 if req.contributors is not None:
                     req.contributors.check_ratio(ratio)
-                read = None if entry is None else self._share(req, entry, rd, rule)
+                kept = None if shares is None else shares.get(ext)
+                if entry is None:
+                    read = None
+                elif kept is not None and kept[:3] == (entry, req, rule):
+                    read = kept[3]
+                else:
+                    read = self._share(req, entry, rule, layer)
+                    if shares is not None:
+                        shares[ext] = (entry, req, rule, read)
             except ProtocolError as exc:
                 self._isolate(rd, ext, exc.code, exc.message)
                 self._request_event(req, R_LOCAL_FAIL, now, exc.code, exc.message)

@@ -13,12 +13,11 @@ from collections.abc import Sequence
 from typing import ClassVar
 
 from rd2h_protocol.consumer.config import ConsumerConfig, ConsumerStats, Output
-from rd2h_protocol.consumer.records import _Parked, _Readiness, _Request, _Session
+from rd2h_protocol.consumer.records import _KeptEntries, _Parked, _Readiness, _Request, _Session
 from rd2h_protocol.errors import ErrorCode, LocalProtocolError
 from rd2h_protocol.machines.declare import BoundMachine
 from rd2h_protocol.topology import wire_layer_indices
 from rd2h_protocol.wire.layout import DestinationLayout
-from rd2h_protocol.wire.messages import ReadReq
 
 
 class _EndpointState:
@@ -59,8 +58,8 @@ class _EndpointState:
         self._next_park_id = 1
         self._out: list[Output] = []
         self._aborts: dict[str, tuple[list[str], str]] = {}
-        # session -> (bytes, decoded entries) of its last readiness entries
-        self._entry_cache: OrderedDict[str, tuple[bytes, list[ReadReq]]] = OrderedDict()
+        # session -> its last readiness entries (bytes, decoded, shares)
+        self._entry_cache: OrderedDict[str, _KeptEntries] = OrderedDict()
 
     @staticmethod
     def _destination_limits(

@@ -2041,7 +2041,8 @@ def test_whole_shares_on_the_fast_path_equal_the_general_path(
     """The bounded decode's whole-entry shares (one Decode rank, one contributor, source
     ids proven in range) against the general path, which checks every request's source
     ids and destination range itself: the same plans, replies and failed requests, for
-    ids in and past the layout's bound and destination ranges that fit or not."""
+    ids in and past the layout's bound and destination ranges that fit or not; on two
+    layers (the second one's shares, of kept entries, looked up on the fast path)."""
     seen = []
     for general in (False, True):
         ep = ready()
@@ -2051,7 +2052,7 @@ def test_whole_shares_on_the_fast_path_equal_the_general_path(
         for i, (main, idx, ms, js) in enumerate(entries):
             ep.add_request(f"r{i}", list(range(100, 108)), list(range(200, 208)), 0.0)
             msgs.append(rr(f"r{i}", main, idx, ms, js))
-        seen.append(_served(ep, rrb(0, msgs)))
+        seen.append([_served(ep, rrb(layer, msgs)) for layer in (0, 1)])
     assert seen[0] == seen[1]
 
 
@@ -2131,3 +2132,33 @@ def test_a_request_failing_among_batched_ones_fails_alone_and_the_others_complet
     assert [f.ext_req_id for f in replies(after)[0].failed] == ["c"]
     assert ep.requests() == {"a": "done_on_rank", "b": "done_on_rank", "c": "failed",
                              "d": "done_on_rank"}  # fmt: skip
+
+
+def test_shares_of_kept_entries_stand_only_for_their_request_and_rule() -> None:
+    """Later layers of a step reuse the shares worked out on an earlier one (the same
+    objects); a layer shared otherwise (here one without indexer) or a request registered
+    anew under the same id gets its share worked out again."""
+    layers = [(name, dst_layout(indexer=i != 1)) for i, name in enumerate(LAYER_NAMES)]
+    ep = endpoint(layers=layers)
+    tensors = {name: src_layout(tensors=2 if i == 1 else 4) for i, name in enumerate(LAYER_NAMES)}
+    send(ep, meta(layouts=tensors))
+    ep.add_request("r1", [10, 11], [12, 13], 0.0)
+    ep.add_request("r2", [20], [21], 0.0)
+    entries = [rr("r1", [1, 2], [3, 4]), rr("r2", [5], [5])]
+    seqs = itertools.count()
+
+    def shares(layer: int) -> tuple[Any, ...]:
+        outs = send(ep, rrb(layer, entries, seq=next(seqs)))
+        finish(ep, outs)
+        return only(outs, StartRead).plan.requests
+
+    first = shares(0)
+    assert all(a is b for a, b in zip(first, shares(2), strict=True))
+    main_only = shares(1)
+    assert [list(r.indexer_src) for r in main_only] == [[], []]
+    again = shares(2)
+    assert again == first and all(a is not b for a, b in zip(first, again, strict=True))
+    ep.release("r2", 0.0)
+    ep.add_request("r2", [30], [31], 0.0)
+    r1, r2 = shares(0)
+    assert r1 is again[0] and list(r2.main_dst) == [30] and list(r2.indexer_dst) == [31]
