@@ -2150,7 +2150,8 @@ def test_shares_of_kept_entries_stand_only_for_their_request_and_rule() -> None:
     def shares(layer: int) -> tuple[Any, ...]:
         outs = send(ep, rrb(layer, entries, seq=next(seqs)))
         finish(ep, outs)
-        return only(outs, StartRead).plan.requests
+        plan: ReadPlan = only(outs, StartRead).plan
+        return plan.requests
 
     first = shares(0)
     assert all(a is b for a, b in zip(first, shares(2), strict=True))

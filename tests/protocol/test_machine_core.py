@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import pytest
 from transitions import MachineError
 
@@ -219,7 +222,11 @@ class _Lamps:
 
 
 def bound_lamp() -> tuple[_Lamps, BoundMachine]:
-    handlers = {"light": _Lamps.light, "smash": _Lamps.smash, NO_EFFECT: no_effect}
+    handlers: dict[str, Callable[..., Any]] = {
+        "light": _Lamps.light,
+        "smash": _Lamps.smash,
+        NO_EFFECT: no_effect,
+    }
     return _Lamps(), lamp().bind(handlers)
 
 
