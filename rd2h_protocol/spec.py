@@ -186,6 +186,12 @@ def render_machines(machines: Sequence[MachineSpec]) -> str:
         for (state, event), (effect, dest) in machine.table.items():
             shown = "" if effect == NO_EFFECT else f"`{effect}`"
             out.append(f"| {state} | `{event}` | {shown} | {dest} |\n")
+        if machine.batched:
+            names = ", ".join(f"`{event}`" for event in sorted(machine.batched))
+            out.append(
+                f"\nBatched inputs (fired for a run of records at once, one lookup per run of "
+                f"records in one state; their effects' handlers take the run): {names}.\n"
+            )
         if machine.guards:
             out.append("\n| guard | holds when | resolved by |\n|---|---|---|\n")
             for name, guard in machine.guards.items():
@@ -203,6 +209,7 @@ def render_machines_json(machines: Sequence[MachineSpec]) -> str:
             "terminal": sorted(m.terminal),
             "transitions": [dict(d) for d in m.transitions],
             "guards": {n: dataclasses.asdict(g) for n, g in m.guards.items()},
+            "batched": sorted(m.batched),
         }
         for m in machines
     ]

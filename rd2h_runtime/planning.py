@@ -29,9 +29,12 @@ with the run ids and lengths already multiplied by each set of block sizes, and 
 layers only add their bases (see :func:`build_descriptors`, :func:`_scaled`): 24 bytes
 kept per descriptor and size set (1.2 MB for a 64 x 256 random message; a model's layers
 usually share one size set). Work buffers
-are per-thread and reused (see ``_Scratch``); the returned arrays are always fresh (the
-three are rows of one new block). A small message still pays a fixed cost of a few
-dozen numpy calls (tens of microseconds).
+are per-thread and reused (see ``_Scratch``); the returned address arrays are always
+fresh (the two are rows of one new block), and the lengths, the same for every layer
+with those block sizes, are the kept read-only row itself, with their exact sum worked
+out once (``Descriptors.total_bytes``): a 64 x 256 random layer then writes 0.8 MB, not
+1.2 MB, and sums no lengths. A small message still pays a fixed cost of a few dozen
+numpy calls (tens of microseconds).
 
 The module is over 600 lines because planning is one pipeline (pack, find runs, scale,
 add bases) whose steps share the per-thread scratch and the kept runs; split, each part
@@ -86,6 +89,8 @@ class Descriptors:
     local_addrs: U64Array
     lengths: U64Array
     component_counts: tuple[tuple[str, int], ...]
+    # The exact sum of ``lengths``, once known (planning sets it from the kept lengths).
+    _total: int | None = field(default=None, init=False, repr=False, compare=False)
 
     def __len__(self) -> int:
         return int(self.lengths.shape[0])
@@ -93,18 +98,10 @@ class Descriptors:
     @property
     def total_bytes(self) -> int:
         """Bytes the read moves (sum of the lengths), exact."""
-        lengths = self.lengths
-        n = lengths.shape[0]
-        if not n:
-            return 0
-        # A uint64 sum cannot wrap when n times the largest length fits: two passes, the
-        # usual case. Otherwise the 32-bit halves are summed apart, which cannot wrap
-        # (for fewer than 2**32 descriptors).
-        if int(lengths.max()) * n < _U64_LIMIT:
-            return int(lengths.sum(dtype=np.uint64))
-        lo = int((lengths & np.uint64(0xFFFFFFFF)).sum(dtype=np.uint64))
-        hi = int((lengths >> np.uint64(32)).sum(dtype=np.uint64))
-        return (hi << 32) + lo
+        if self._total is None:
+            object.__setattr__(self, "_total", _exact_sum(self.lengths))
+        assert self._total is not None
+        return self._total
 
     def component_slice(self, name: str) -> slice:
         """The slice of the arrays holding component ``name``'s descriptors."""
@@ -149,6 +146,21 @@ class BlockIds:
         object.__setattr__(self, "src", src)
         object.__setattr__(self, "dst", dst)
         object.__setattr__(self, "counts", counts)
+
+
+def _exact_sum(lengths: U64Array) -> int:
+    """The exact sum of uint64 ``lengths``."""
+    n = lengths.shape[0]
+    if not n:
+        return 0
+    # A uint64 sum cannot wrap when n times the largest length fits: two passes, the usual
+    # case. Otherwise the 32-bit halves are summed apart, which cannot wrap (for fewer than
+    # 2**32 descriptors).
+    if int(lengths.max()) * n < _U64_LIMIT:
+        return int(lengths.sum(dtype=np.uint64))
+    lo = int((lengths & np.uint64(0xFFFFFFFF)).sum(dtype=np.uint64))
+    hi = int((lengths >> np.uint64(32)).sum(dtype=np.uint64))
+    return (hi << 32) + lo
 
 
 class _Scratch(threading.local):
@@ -401,8 +413,8 @@ class _Runs:
     ``tops`` holds each group's largest src and dst id (-1 without ids), ``cuts`` where
     each group's runs start and end in the run arrays, ``blocks`` each run's length in
     blocks and ``run_src``/``run_dst`` its first ids. ``scaled`` keeps, per set of block
-    sizes, what the descriptors of every layer with those sizes share (see
-    :func:`_scaled`).
+    sizes, what the descriptors of every layer with those sizes share and the exact sum
+    of their lengths (see :func:`_scaled`).
     """
 
     tops: tuple[tuple[int, int], ...]
@@ -410,7 +422,7 @@ class _Runs:
     blocks: U64Array
     run_src: U64Array
     run_dst: U64Array
-    scaled: dict[tuple[tuple[int, ...], ...], U64Array] = field(default_factory=dict)
+    scaled: dict[tuple[tuple[int, ...], ...], tuple[U64Array, int]] = field(default_factory=dict)
 
 
 def _id_runs(sizes: Sequence[int], ids: I64Array, counts: I64Array) -> _Runs:
@@ -455,10 +467,10 @@ def _id_runs(sizes: Sequence[int], ids: I64Array, counts: I64Array) -> _Runs:
 _SCALED_KEPT = 4
 
 
-def _scaled(comps_of: Sequence[Sequence[ComponentAddrs]], runs: _Runs) -> U64Array:
+def _scaled(comps_of: Sequence[Sequence[ComponentAddrs]], runs: _Runs) -> tuple[U64Array, int]:
     """The descriptors of ``runs`` without the bases: a read-only ``(3, total)`` block of
     run src ids, run dst ids and run lengths, each times its component's block size, in
-    output order.
+    output order; and the exact sum of the lengths (the last row).
 
     Every layer with the same block sizes shares it (layers differ in bases only), so it
     is kept in ``runs``: a later layer adds its bases in one pass per address array
@@ -466,9 +478,9 @@ def _scaled(comps_of: Sequence[Sequence[ComponentAddrs]], runs: _Runs) -> U64Arr
     bounded ``base + (top + 1) * block_bytes`` by 2**64 for the largest id.
     """
     key = tuple(tuple(c.block_bytes for c in comps) for comps in comps_of)
-    table = runs.scaled.get(key)
-    if table is not None:
-        return table
+    kept = runs.scaled.get(key)
+    if kept is not None:
+        return kept
     cuts = runs.cuts
     total = sum(len(comps) * (cuts[g + 1] - cuts[g]) for g, comps in enumerate(comps_of))
     table = np.empty((3, total), dtype=np.uint64)
@@ -487,8 +499,8 @@ def _scaled(comps_of: Sequence[Sequence[ComponentAddrs]], runs: _Runs) -> U64Arr
     table.flags.writeable = False
     if len(runs.scaled) >= _SCALED_KEPT:
         runs.scaled.clear()
-    runs.scaled[key] = table
-    return table
+    kept = runs.scaled[key] = (table, _exact_sum(table[2]))
+    return kept
 
 
 def _descriptors(comps_of: Sequence[Sequence[ComponentAddrs]], runs: _Runs) -> Descriptors:
@@ -496,11 +508,11 @@ def _descriptors(comps_of: Sequence[Sequence[ComponentAddrs]], runs: _Runs) -> D
     for comps, (top_src, top_dst) in zip(comps_of, runs.tops, strict=True):
         for comp in comps:
             _check_fits(comp, top_src, top_dst)
-    table = _scaled(comps_of, runs)
-    # One allocation for the three arrays (rows of one block): three of this size each
-    # cost page faults on every read, as malloc hands such blocks back to the OS.
-    out = np.empty(table.shape, dtype=np.uint64)
-    np.copyto(out[2], table[2])
+    table, total = _scaled(comps_of, runs)
+    # One allocation for the two address arrays (rows of one block): each of this size
+    # costs page faults on every read, as malloc hands such blocks back to the OS. The
+    # lengths are the kept row itself (read-only, the same for every layer).
+    out = np.empty((2, table.shape[1]), dtype=np.uint64)
     cuts = runs.cuts
     counts_out: list[tuple[str, int]] = []
     at = 0
@@ -515,12 +527,14 @@ def _descriptors(comps_of: Sequence[Sequence[ComponentAddrs]], runs: _Runs) -> D
         at = span.stop
         # Both address rows at once: a (side, components, runs) view, bases broadcast.
         shape = (2, len(comps), k_g)
-        np.add(table[:2, span].reshape(shape), bases, out=out[:2, span].reshape(shape))
+        np.add(table[:2, span].reshape(shape), bases, out=out[:, span].reshape(shape))
     # Read-only, the block and so its rows: backends get views of these, nobody should
     # patch a planned read.
     out.flags.writeable = False
-    remote, local, lengths = out
-    return Descriptors(remote, local, lengths, tuple(counts_out))
+    remote, local = out
+    desc = Descriptors(remote, local, table[2], tuple(counts_out))
+    object.__setattr__(desc, "_total", total)
+    return desc
 
 
 def descriptors_from_ids(

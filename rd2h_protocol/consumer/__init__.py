@@ -39,7 +39,10 @@ Serving one readiness (reference §2, departures 1, 4, 6, 11):
    the ranks share one main pool (``main_shared``), else all of them on every rank (each
    rank's own KV cache, e.g. vLLM's); the
    indexer (and its scale) split over the contributors with
-   :func:`~rd2h_protocol.topology.indexer_share`.
+   :func:`~rd2h_protocol.topology.indexer_share`. The request machine takes the message
+   in runs of requests in one state (``RECV_READINESS`` is a batched input), and the
+   shares of a session's kept entries are worked out once per engine step (see
+   ``_KeptEntries``): the other layers look them up.
 5. ONE :class:`~rd2h_protocol.plan.ReadPlan` per message (``StartRead``), or, when this
    rank has nothing to read, ``read_done`` at once. A whole-entry share is not copied:
    the plan holds the message's own ids (tuples decoded once per engine step, as every

@@ -17,7 +17,7 @@ from rd2h_protocol.consumer.frames import (
     _unique,
     _with_entries,
 )
-from rd2h_protocol.consumer.records import _Readiness, _Request
+from rd2h_protocol.consumer.records import _KeptEntries, _Readiness, _Request
 from rd2h_protocol.consumer.replies import _clip
 from rd2h_protocol.consumer.sessions import _SessionEffects
 from rd2h_protocol.errors import (
@@ -211,7 +211,7 @@ class ConsumerEndpoint(_SessionEffects):
         self._retired.pop(ext_req_id, None)
         req = _Request(ext_req_id, main, idx)
         self._requests[ext_req_id] = req
-        self._touch(req, now)
+        self._touch((req,), now)
         if advertised:
             self._request_event(req, R_LOCAL_ADVERTISE, now)
         self._resolve_waiting(ext_req_id, now)
@@ -221,7 +221,7 @@ class ConsumerEndpoint(_SessionEffects):
         """The request's rendezvous was posted (for ``add_request(advertised=False)``)."""
         req = self._known(ext_req_id)
         self._request_event(req, R_LOCAL_ADVERTISE, now)
-        self._touch(req, now)
+        self._touch((req,), now)
         return self._flush()
 
     def abort(self, ext_ids: Iterable[str], reason: str, now: float) -> list[Output]:
@@ -343,7 +343,7 @@ class ConsumerEndpoint(_SessionEffects):
         cached = self._entry_cache.get(session.name)
         try:
             if cached is not None:
-                raw, entries = cached
+                raw, entries = cached.raw, cached.entries
                 at = _entries_offset(frame)
                 # (bytes.startswith: a memcmp; comparing memoryviews goes item by item)
                 if at is not None and bytes(frame).startswith(raw, at):
@@ -354,7 +354,7 @@ class ConsumerEndpoint(_SessionEffects):
             entries = _bounded_entries(bound).decode(shell.read_reqs)
         except Exception:  # out of bound or malformed: the general path judges it
             return None
-        self._entry_cache[session.name] = (bytes(shell.read_reqs), entries)
+        self._entry_cache[session.name] = _KeptEntries(bytes(shell.read_reqs), entries)
         self._entry_cache.move_to_end(session.name)
         while len(self._entry_cache) > _ENTRY_CACHE_SESSIONS:
             self._entry_cache.popitem(last=False)

@@ -34,21 +34,22 @@ class _ReadOutcomes(_Replies):
         self._READINESS.fire(self, rd, M_LOCAL_READ_OK)
         for req in rd.in_plan:
             req.in_flight -= 1
-            self._request_event(req, R_LOCAL_READ_OK, now)
+        self._REQUEST.fire_batch(self, rd.in_plan, R_LOCAL_READ_OK, now)
         self._count_done(rd, now)
         self._release_quiescent(rd.in_plan, now)
 
     def _count_done(self, rd: _Readiness, now: float) -> None:
         """After the done reply: count the message's done signals, complete what can."""
         msg = rd.msg
-        accepted = {req.ext_id: req for req in rd.accepted}
-        for ext in _unique(msg.done_ext_ids):
-            req = accepted.get(ext)
-            if req is None or req.state != REQ_RECEIVING or self._requests.get(ext) is not req:
-                continue
-            assert req.contributors is not None
-            if req.contributors.report(msg.group_member_idx) == EFFECT_IGNORE_DUPLICATE:
-                self.stats.duplicate_done += 1
+        if msg.done_ext_ids:  # (the last layer's: the others carry none)
+            accepted = {req.ext_id: req for req in rd.accepted}
+            for ext in _unique(msg.done_ext_ids):
+                req = accepted.get(ext)
+                if req is None or req.state != REQ_RECEIVING or self._requests.get(ext) is not req:
+                    continue
+                assert req.contributors is not None
+                if req.contributors.report(msg.group_member_idx) == EFFECT_IGNORE_DUPLICATE:
+                    self.stats.duplicate_done += 1
         for req in rd.accepted:
             if (
                 req.state == REQ_RECEIVING

@@ -14,9 +14,15 @@ from typing import TypeAlias
 from rd2h_protocol.completion import ContributorSet
 from rd2h_protocol.errors import ErrorCode, LayoutMismatch
 from rd2h_protocol.machines.consumer import DECODE_READINESS, DECODE_REQUEST, SESSION_UNBOUND
-from rd2h_protocol.plan import ComponentAddrs, ReadPlan
+from rd2h_protocol.plan import ComponentAddrs, ReadPlan, RequestRead
 from rd2h_protocol.wire.layout import LayerLayout
-from rd2h_protocol.wire.messages import FailedRequest, ReadDone, ReadFailed, ReadReadyBatch
+from rd2h_protocol.wire.messages import (
+    FailedRequest,
+    ReadDone,
+    ReadFailed,
+    ReadReadyBatch,
+    ReadReq,
+)
 
 
 class _Session:
@@ -132,6 +138,22 @@ class _Readiness:
         self.isolated: list[FailedRequest] = []
         self.plan: ReadPlan | None = None
         self.retries_left = 0
+
+
+class _KeptEntries:
+    """A session's last readiness entries with their bytes (see ``_decode_bounded``), and
+    this rank's shares of them worked out so far (see ``_Serving._fx_accept``): every
+    layer of an engine step carries the same entries, so their shares are worked out on
+    its first layer and only looked up on the others."""
+
+    __slots__ = ("entries", "raw", "shares")
+
+    def __init__(self, raw: bytes, entries: list[ReadReq]) -> None:
+        self.raw = raw
+        self.entries = entries
+        # ext -> (entry, request, share rule, share): the share stands for that entry of
+        # that request record under that rule (entries and destination ids never change).
+        self.shares: dict[str, tuple[ReadReq, _Request, object, RequestRead]] = {}
 
 
 class _ParkedAbort:

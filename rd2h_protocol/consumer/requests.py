@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from rd2h_protocol.consumer.parking import _Parking
@@ -15,12 +15,13 @@ from rd2h_protocol.machines.consumer import R_LOCAL_FAIL, R_LOCAL_QUIESCENT, REQ
 class _RequestEffects(_Parking):
     """What happens to a request when its machine moves (see ``DECODE_REQUEST``)."""
 
-    # The request machine's effects but RECV_READINESS's (see serving.py):
-    # (req, now, code, text, exclude).
+    # The request machine's LOCAL_READ_OK effect (a batched input): (reqs, now).
 
-    def _fx_progress(self, req: _Request, now: float, *_failure: Any) -> None:
-        """A read for it succeeded: restart its load timer."""
-        self._touch(req, now)
+    def _fx_progress(self, reqs: Sequence[_Request], now: float) -> None:
+        """A read for them succeeded: restart their load timers."""
+        self._touch(reqs, now)
+
+    # Its effects of unbatched inputs: (req, now, code, text, exclude).
 
     def _fx_report_done(self, req: _Request, *_context: Any) -> None:
         self._deadlines.pop(req.ext_id, None)

@@ -8,8 +8,8 @@ operation in :mod:`rd2h_protocol.consumer`.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
 
 from rd2h_protocol.completion import ContributorSet
 from rd2h_protocol.consumer.frames import _message_ids, _unique
@@ -68,22 +68,15 @@ def _part(ids: Sequence[int], start: int, end: int) -> Sequence[int]:
     return ids if start == 0 and end == len(ids) else ids[start:end]
 
 
-def _whole_share(req: _Request, rr: ReadReq, has_indexer: bool) -> RequestRead:
-    """:meth:`_Serving._share` of an entry whose share is all of it, its source ids proven
-    in range or unbounded by the layout (see :meth:`_Serving._shares_are_whole`): the same
-    result, with only the destination ranges left to check."""
-    main_src = rr.main_block_ids
-    n, base, dst = len(main_src), rr.main_start_block, req.main_ids
-    if base < 0 or base + n > len(dst):  # (the check, inlined: it raises)
-        check_destination_range(req.ext_id, "main", base, n, len(dst))
-    main_dst = dst[base : base + n]
-    if not has_indexer:
-        return RequestRead(req.ext_id, main_src, main_dst, (), ())
-    idx_src = rr.indexer_ids
-    n, base, dst = len(idx_src), rr.indexer_start_block, req.indexer_ids
-    if base < 0 or base + n > len(dst):
-        check_destination_range(req.ext_id, "indexer", base, n, len(dst))
-    return RequestRead(req.ext_id, main_src, main_dst, idx_src, dst[base : base + n])
+class _ShareRule(NamedTuple):
+    """What :meth:`_Serving._share` decides once per readiness, not per request: with the
+    entry and the request, all a share depends on (the layer's name is only quoted)."""
+
+    whole: bool  # every share is its whole entry: one Decode rank (or main not shared), ratio 1
+    num_blocks: int | None  # the bound to check Prefill ids against; None: proven or unbounded
+    has_indexer: bool  # the layer has indexer components: the indexer ids are read too
+    member: int  # the readiness's group_member_idx
+    tp_ratio: int
 
 
 class _Serving(_ReadOutcomes):
@@ -189,30 +182,33 @@ class _Serving(_ReadOutcomes):
     ) -> None:
         msg = rd.msg
         named = [rr.ext_req_id for rr in msg.read_reqs]
-        counts = Counter(named)
+        entry_of = dict(zip(named, msg.read_reqs, strict=True))
         # Only entries can name a request twice (done ids are deduplicated and skip those
-        # the entries name): without repeats, every request is handled once as it comes.
-        repeats = len(counts) < len(named)
+        # the entries name); such a request is handled once, where it first stands.
+        twice: set[str] = set()
+        if len(entry_of) < len(named):
+            twice = {ext for ext, n in Counter(named).items() if n > 1}
+            named = list(entry_of)
+        ids = named + [ext for ext in _unique(msg.done_ext_ids) if ext not in entry_of]
         reads: list[RequestRead] = []
-        entries: list[tuple[str, ReadReq | None]] = list(zip(named, msg.read_reqs, strict=True))
-        entries += [(ext, None) for ext in _unique(msg.done_ext_ids) if ext not in counts]
-        handled: set[str] = set()
-        whole = self._shares_are_whole(rd, src)
-        for ext, entry in entries:
-            if repeats:
-                if ext in handled:
+        kept = self._entry_cache.get(rd.session)
+        shares = kept.shares if kept is not None and kept.entries is msg.read_reqs else None
+        rule = self._share_rule(rd, src, indexer)
+        context = (rd, entry_of, twice, rule, shares, now, reads)
+        found = list(map(self._requests.get, ids))
+        if None in found:
+            # An unknown request is isolated where it stands, between the runs around it.
+            run: list[_Request] = []
+            for ext, req in zip(ids, found, strict=True):
+                if req is not None:
+                    run.append(req)
                     continue
-                handled.add(ext)
-            req = self._requests.get(ext)
-            if req is None:
+                self._REQUEST.fire_batch(self, run, R_RECV_READINESS, *context)
+                run = []
                 self._isolate(rd, ext, ErrorCode.UNKNOWN_REQUEST, "unknown request")
-                continue
-            read = self._REQUEST.fire(
-                self, req, R_RECV_READINESS, rd, entry, counts.get(ext, 0), src, indexer, now, whole
-            )
-            if read is not None and (read.main_src or read.indexer_src):
-                reads.append(read)
-                rd.in_plan.append(req)
+            self._REQUEST.fire_batch(self, run, R_RECV_READINESS, *context)
+        else:
+            self._REQUEST.fire_batch(self, found, R_RECV_READINESS, *context)
         if not reads:
             self._READINESS.fire(self, rd, M_LOCAL_NOTHING_TO_READ)
             self._count_done(rd, now)
@@ -227,41 +223,29 @@ class _Serving(_ReadOutcomes):
         self.stats.reads_started += 1
         self._READINESS.fire(self, rd, M_LOCAL_START_READ)
 
-    def _shares_are_whole(self, rd: _Readiness, src: LayerLayout) -> bool:
-        """Whether every share of this readiness is its whole entry with its source ids
-        proven in range (one Decode rank, one contributor, the bounded decode path or a
-        layout without ``num_blocks``): then :func:`_whole_share` gives what
-        :meth:`_share` would, deciding that once per message instead of per request."""
+    def _share_rule(
+        self, rd: _Readiness, src: LayerLayout, indexer: tuple[ComponentAddrs, ...]
+    ) -> _ShareRule:
+        """How every entry of this readiness is shared: whole (one Decode rank and one
+        contributor, the usual shape: no split per request), and whether Prefill's ids
+        still need checking against ``num_blocks`` (not when the bounded decode proved
+        every id of the message below it)."""
         msg, cfg = rd.msg, self.config
         num_blocks = src.num_blocks
-        return (
-            msg.group_member_idx == 0
-            and msg.tp_ratio == 1
-            and (cfg.d_tp == 1 or not cfg.main_shared)
-            and (num_blocks is None or (rd.ids_below is not None and rd.ids_below <= num_blocks))
-        )
+        if num_blocks is not None and rd.ids_below is not None and rd.ids_below <= num_blocks:
+            num_blocks = None  # every Prefill id of the message is below it: checked already
+        whole = (cfg.d_tp == 1 or not cfg.main_shared) and msg.tp_ratio == 1
+        return _ShareRule(whole, num_blocks, bool(indexer), msg.group_member_idx, msg.tp_ratio)
 
-    def _share(
-        self,
-        req: _Request,
-        rr: ReadReq,
-        src: LayerLayout,
-        rd: _Readiness,
-        has_indexer: bool,
-    ) -> RequestRead:
-        """This rank's blocks of one readiness entry, mapped to the request's own ids.
+    def _share(self, req: _Request, rr: ReadReq, rule: _ShareRule, layer: str) -> RequestRead:
+        """This rank's blocks of one readiness entry, mapped to the request's own ids
+        (``layer``: the layer's name, for the errors).
 
         No id is copied when the share is the whole entry: the plan holds the message's
         own lists and the request's own (immutable) destination ids.
         """
-        msg, cfg = rd.msg, self.config
-        member = msg.group_member_idx
-        # One Decode rank and one contributor (the usual shape): every share is the whole
-        # entry (split_range over one rank), with no call per request.
-        whole = (cfg.d_tp == 1 or not cfg.main_shared) and msg.tp_ratio == 1
-        num_blocks = src.num_blocks
-        if num_blocks is not None and rd.ids_below is not None and rd.ids_below <= num_blocks:
-            num_blocks = None  # every Prefill id of the message is below it: checked already
+        cfg = self.config
+        whole, num_blocks, has_indexer, member, tp_ratio = rule
         main_ids = rr.main_block_ids
         n = len(main_ids)
         if whole:
@@ -276,10 +260,10 @@ class _Serving(_ReadOutcomes):
             base = rr.main_start_block
             if base < 0 or base + n > len(req.main_ids):  # (the check, inlined: it raises)
                 check_destination_range(req.ext_id, "main", base, n, len(req.main_ids))
-            main_src = _part(main_ids, start, end)
+            main_src = main_ids if whole else _part(main_ids, start, end)
             main_dst = req.main_ids[base + start : base + end]
             if num_blocks is not None:
-                _check_source(msg.layer_name, "main", main_src, num_blocks)
+                _check_source(layer, "main", main_src, num_blocks)
         idx_src: Sequence[int] = ()
         idx_dst: Sequence[int] = ()
         if has_indexer:
@@ -291,11 +275,11 @@ class _Serving(_ReadOutcomes):
             if whole:
                 start, end = 0, n
             else:
-                start, end = indexer_share(n, member, msg.tp_ratio, base)
-            idx_src = _part(idx_ids, start, end)
+                start, end = indexer_share(n, member, tp_ratio, base)
+            idx_src = idx_ids if whole else _part(idx_ids, start, end)
             idx_dst = req.indexer_ids[base + start : base + end]
             if num_blocks is not None:
-                _check_source(msg.layer_name, "indexer", idx_src, num_blocks)
+                _check_source(layer, "indexer", idx_src, num_blocks)
         return RequestRead(req.ext_id, main_src, main_dst, idx_src, idx_dst)
 
     def _not_waiting(self, req: _Request) -> tuple[ErrorCode, str]:
@@ -312,47 +296,65 @@ class _Serving(_ReadOutcomes):
         self.stats.isolated_requests += 1
         rd.isolated.append(FailedRequest(ext, int(code), _clip(text)))
 
-    # The request machine's RECV_READINESS effects: (req, rd, entry, count, src, indexer,
-    # now, whole) -> the request's share of the read, or None (nothing to read for it).
+    # The request machine's RECV_READINESS effects (a batched input): (reqs, rd, entry_of,
+    # twice, rule, shares, now, reads), ``reqs`` a run of the readiness's requests in one
+    # state.
 
-    def _fx_isolate(self, req: _Request, rd: _Readiness, *_context: Any) -> None:
-        """The request stopped waiting: leave it out of the read, report it alone."""
-        self._isolate(rd, req.ext_id, *self._not_waiting(req))
+    def _fx_isolate(self, reqs: Sequence[_Request], rd: _Readiness, *_context: Any) -> None:
+        """The requests stopped waiting: leave them out of the read, report each alone."""
+        for req in reqs:
+            self._isolate(rd, req.ext_id, *self._not_waiting(req))
 
     def _fx_accept(
         self,
-        req: _Request,
+        reqs: Sequence[_Request],
         rd: _Readiness,
-        entry: ReadReq | None,
-        count: int,
-        src: LayerLayout,
-        indexer: tuple[ComponentAddrs, ...],
+        entry_of: Mapping[str, ReadReq],
+        twice: set[str],
+        rule: _ShareRule,
+        shares: dict[str, tuple[ReadReq, _Request, object, RequestRead]] | None,
         now: float,
-        whole: bool,
-    ) -> RequestRead | None:
-        """Take the readiness for the request: its entry must be sound (named once, the
-        same ``tp_ratio``, a destination range that fits, source ids within the layout),
-        else the request is isolated and fails (``LOCAL_FAIL``). ``whole``: see
-        :meth:`_shares_are_whole`."""
-        msg = rd.msg
-        try:
-            if count > 1:
-                raise RemoteProtocolError("the request appears more than once in the message")
-            if req.contributors is not None:
-                req.contributors.check_ratio(msg.tp_ratio)
-            if entry is None:
-                read = None
-            elif whole:
-                read = _whole_share(req, entry, bool(indexer))
-            else:
-                read = self._share(req, entry, src, rd, bool(indexer))
-        except ProtocolError as exc:
-            self._isolate(rd, req.ext_id, exc.code, exc.message)
-            self._request_event(req, R_LOCAL_FAIL, now, exc.code, exc.message)
-            return None
-        self._touch(req, now)
-        req.sessions.add(rd.session)
-        if req.contributors is None:
-            req.contributors = ContributorSet(msg.tp_ratio)
-        rd.accepted.append(req)
-        return read
+        reads: list[RequestRead],
+    ) -> None:
+        """Take the readiness for each request: its entry (``entry_of``; none for a done id
+        alone) must be sound (named once, the same ``tp_ratio``, a destination range that
+        fits, source ids within the layout), else the request is isolated and fails
+        (``LOCAL_FAIL``) where it stands. A share with blocks joins ``reads``, in order.
+
+        ``shares``: those of the session's kept entries (when the message carries them),
+        each reused while it stands for the same entry, request and rule (then its checks
+        passed on these very inputs), else worked out and kept.
+        """
+        ratio, layer = rule.tp_ratio, rd.msg.layer_name
+        accepted: list[_Request] = []
+        for req in reqs:
+            ext = req.ext_id
+            entry = entry_of.get(ext)
+            try:
+                if ext in twice:
+                    raise RemoteProtocolError("the request appears more than once in the message")
+                if req.contributors is not None:
+                    req.contributors.check_ratio(ratio)
+                kept = None if shares is None else shares.get(ext)
+                if entry is None:
+                    read = None
+                elif kept is not None and kept[:3] == (entry, req, rule):
+                    read = kept[3]
+                else:
+                    read = self._share(req, entry, rule, layer)
+                    if shares is not None:
+                        shares[ext] = (entry, req, rule, read)
+            except ProtocolError as exc:
+                self._isolate(rd, ext, exc.code, exc.message)
+                self._request_event(req, R_LOCAL_FAIL, now, exc.code, exc.message)
+                continue
+            accepted.append(req)
+            if read is not None and (read.main_src or read.indexer_src):
+                reads.append(read)
+                rd.in_plan.append(req)
+        self._touch(accepted, now)
+        for req in accepted:
+            req.sessions.add(rd.session)
+            if req.contributors is None:
+                req.contributors = ContributorSet(ratio)
+        rd.accepted += accepted

@@ -13,12 +13,11 @@ from collections.abc import Sequence
 from typing import ClassVar
 
 from rd2h_protocol.consumer.config import ConsumerConfig, ConsumerStats, Output
-from rd2h_protocol.consumer.records import _Parked, _Readiness, _Request, _Session
+from rd2h_protocol.consumer.records import _KeptEntries, _Parked, _Readiness, _Request, _Session
 from rd2h_protocol.errors import ErrorCode, LocalProtocolError
 from rd2h_protocol.machines.declare import BoundMachine
 from rd2h_protocol.topology import wire_layer_indices
 from rd2h_protocol.wire.layout import DestinationLayout
-from rd2h_protocol.wire.messages import ReadReq
 
 
 class _EndpointState:
@@ -59,8 +58,8 @@ class _EndpointState:
         self._next_park_id = 1
         self._out: list[Output] = []
         self._aborts: dict[str, tuple[list[str], str]] = {}
-        # session -> (bytes, decoded entries) of its last readiness entries
-        self._entry_cache: OrderedDict[str, tuple[bytes, list[ReadReq]]] = OrderedDict()
+        # session -> its last readiness entries (bytes, decoded, shares)
+        self._entry_cache: OrderedDict[str, _KeptEntries] = OrderedDict()
 
     @staticmethod
     def _destination_limits(
@@ -77,10 +76,14 @@ class _EndpointState:
             raise LocalProtocolError(f"request {ext!r} is not registered")
         return req
 
-    def _touch(self, req: _Request, now: float) -> None:
-        """Restart the request's load timer (it made progress)."""
-        self._deadlines[req.ext_id] = now + self.config.kv_load_timeout_s
-        self._deadlines.move_to_end(req.ext_id)
+    def _touch(self, reqs: Sequence[_Request], now: float) -> None:
+        """Restart the requests' load timers (they made progress): each deadline moves to
+        the end, in the order given (as setting each and moving it to the end would)."""
+        deadlines = self._deadlines
+        exts = [req.ext_id for req in reqs]
+        for ext in exts:
+            deadlines.pop(ext, None)
+        deadlines.update(dict.fromkeys(exts, now + self.config.kv_load_timeout_s))
 
     def _request_event(
         self,

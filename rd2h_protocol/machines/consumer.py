@@ -157,6 +157,9 @@ DECODE_REQUEST: Final = MachineSpec(
     initial=REQ_ALLOCATED,
     guards=GUARDS,
     terminal=frozenset({REQ_RELEASED}),
+    # A readiness, and the end of its read, concern every request it names: those inputs
+    # are fired for the whole message, one table lookup per run of requests in one state.
+    batched=frozenset({R_RECV_READINESS, R_LOCAL_READ_OK}),
     transitions=(
         {"trigger": R_LOCAL_ADVERTISE, "source": REQ_ALLOCATED, "dest": REQ_ADVERTISED},
         {

@@ -25,6 +25,14 @@ imported: an effect without a handler, or a handler for no declared effect, rais
 :meth:`BoundMachine.fire` looks ``(record.state, input)`` up, sets the new state, then
 runs the bound handler. Each guard a declaration names is declared next to its table
 (``GUARDS``: what it says and which method resolves it) and rendered in the docs.
+
+An input that arrives for many records at once (one readiness names 64 requests) may be
+declared *batched* (``MachineSpec.batched``): :meth:`BoundMachine.fire_batch` then takes
+the records in order, looks the table up once per run of records in one state, sets
+their states and runs the bound handler once for the run, which gets the run's records
+instead of one. The rows are the same rows (the table, the diagram and the checker see
+no difference); only the handlers of a batched input's effects take a run, so an effect
+is reached by batched inputs only or by unbatched inputs only (checked at import).
 """
 
 from __future__ import annotations
@@ -70,6 +78,9 @@ class MachineSpec:
     #: What each guard the declaration names says, and the method that resolves it (given
     #: a mapping, every ``conditions`` name must be in it; only those named are kept).
     guards: Mapping[str, Guard] = field(default_factory=dict, repr=False, compare=False)
+    #: Inputs fired for runs of records (:meth:`BoundMachine.fire_batch`); their effects'
+    #: handlers take the run's records.
+    batched: frozenset[str] = frozenset()
     table: Mapping[tuple[str, str], tuple[str, str]] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -89,12 +100,29 @@ class MachineSpec:
                     raise ValueError(f"{self.name}: {key} is declared twice")
                 table[key] = (decl.get("effect", NO_EFFECT), dest)
         object.__setattr__(self, "table", table)
+        self._check_batched()
         if self.guards:
             named = self.guard_names()
             missing = [g for g in named if g not in self.guards]
             if missing:
                 raise ValueError(f"{self.name}: guards {missing} are not declared")
             object.__setattr__(self, "guards", {g: self.guards[g] for g in named})
+
+    def _check_batched(self) -> None:
+        """Batched inputs are declared ones, and share no effect with unbatched inputs
+        (a handler takes either one record or a run of them; :data:`NO_EFFECT` does both)."""
+        unknown = self.batched - set(self.inputs)
+        if unknown:
+            raise ValueError(f"{self.name}: batched inputs {sorted(unknown)} are not declared")
+        by_kind: dict[bool, set[str]] = {True: set(), False: set()}
+        for (_, event), (effect, _) in self.table.items():
+            by_kind[event in self.batched].add(effect)
+        shared = (by_kind[True] & by_kind[False]) - {NO_EFFECT}
+        if shared:
+            raise ValueError(
+                f"{self.name}: effects {sorted(shared)} are reached by batched and unbatched "
+                "inputs alike"
+            )
 
     @property
     def inputs(self) -> tuple[str, ...]:
@@ -124,8 +152,10 @@ class MachineSpec:
     def bind(self, handlers: Mapping[str, Handler]) -> BoundMachine:
         """Bind each declared effect to its handler; raise unless the keys match exactly.
 
-        A handler is called as ``handler(owner, record, *args)`` after the state changed.
-        :data:`NO_EFFECT` must be bound too where the declaration uses it (to
+        A handler is called as ``handler(owner, record, *args)`` after the state changed;
+        the handler of a batched input's effect as ``handler(owner, records, *args)`` with
+        a run of records (see :meth:`BoundMachine.fire_batch`). :data:`NO_EFFECT` must be
+        bound too where the declaration uses it (to
         :func:`no_effect`, or to a handler when the caller has something to do).
         """
         missing = self.effects - handlers.keys()
@@ -179,14 +209,27 @@ class BoundMachine:
     The hot path is one dict lookup, one attribute store and one call.
     """
 
-    __slots__ = ("_dispatch", "handlers", "spec")
+    __slots__ = ("_batch_dispatch", "_dispatch", "handlers", "spec")
 
     def __init__(self, spec: MachineSpec, handlers: Mapping[str, Handler]) -> None:
         self.spec = spec
         self.handlers = dict(handlers)
-        self._dispatch: dict[tuple[str, str], tuple[Handler, str]] = {
-            key: (self.handlers[effect], dest) for key, (effect, dest) in spec.table.items()
-        }
+        # (fire takes the unbatched inputs' rows, fire_batch the batched ones')
+        self._dispatch: dict[tuple[str, str], tuple[Handler, str]] = {}
+        self._batch_dispatch: dict[tuple[str, str], tuple[Handler, str]] = {}
+        for key, (effect, dest) in spec.table.items():
+            rows = self._batch_dispatch if key[1] in spec.batched else self._dispatch
+            rows[key] = (self.handlers[effect], dest)
+
+    def _miss(
+        self, state: str, event: str, error: type[ProtocolError], *, batched: bool
+    ) -> Exception:
+        """What a lookup that found no row raises: the refusal, or a ValueError when the
+        input is fired the other way (batched or not)."""
+        if (event in self.spec.batched) != batched:
+            way = "fire_batch" if event in self.spec.batched else "fire"
+            return ValueError(f"{self.spec.name}: {event} is fired with {way}")
+        return self.spec.refusal(state, event, error)
 
     def fire(
         self,
@@ -203,8 +246,40 @@ class BoundMachine:
         try:
             handler, record.state = self._dispatch[(record.state, event)]
         except KeyError:
-            raise self.spec.refusal(record.state, event, error) from None
+            raise self._miss(record.state, event, error, batched=False) from None
         return handler(owner, record, *args)
+
+    def fire_batch(
+        self,
+        owner: Any,
+        records: Sequence[Any],
+        event: str,
+        *args: Any,
+        error: type[ProtocolError] = LocalProtocolError,
+    ) -> None:
+        """:meth:`fire` for each of ``records`` in order, for a batched input: one lookup
+        per run of consecutive records in one state, whose states are all set before the
+        bound handler runs once with the run (a handler changes no other record's state).
+
+        A forbidden pair raises ``error`` with the runs before it handled and its own
+        records unchanged, as firing one record at a time would.
+        """
+        n = len(records)
+        i = 0
+        while i < n:
+            state = records[i].state
+            j = i + 1
+            while j < n and records[j].state == state:
+                j += 1
+            try:
+                handler, dest = self._batch_dispatch[(state, event)]
+            except KeyError:
+                raise self._miss(state, event, error, batched=True) from None
+            run = records if j - i == n else records[i:j]
+            for record in run:
+                record.state = dest
+            handler(owner, run, *args)
+            i = j
 
     def react(
         self,
@@ -221,7 +296,7 @@ class BoundMachine:
         try:
             handler, dest = self._dispatch[(state, event)]
         except KeyError:
-            raise self.spec.refusal(state, event, error) from None
+            raise self._miss(state, event, error, batched=False) from None
         if dest != state:
             raise ValueError(f"{self.spec.name}: {event} leaves {state}; use fire")
         return handler(owner, record, *args)

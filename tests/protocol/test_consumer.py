@@ -2041,7 +2041,8 @@ def test_whole_shares_on_the_fast_path_equal_the_general_path(
     """The bounded decode's whole-entry shares (one Decode rank, one contributor, source
     ids proven in range) against the general path, which checks every request's source
     ids and destination range itself: the same plans, replies and failed requests, for
-    ids in and past the layout's bound and destination ranges that fit or not."""
+    ids in and past the layout's bound and destination ranges that fit or not; on two
+    layers (the second one's shares, of kept entries, looked up on the fast path)."""
     seen = []
     for general in (False, True):
         ep = ready()
@@ -2051,5 +2052,114 @@ def test_whole_shares_on_the_fast_path_equal_the_general_path(
         for i, (main, idx, ms, js) in enumerate(entries):
             ep.add_request(f"r{i}", list(range(100, 108)), list(range(200, 208)), 0.0)
             msgs.append(rr(f"r{i}", main, idx, ms, js))
-        seen.append(_served(ep, rrb(0, msgs)))
+        seen.append([_served(ep, rrb(layer, msgs)) for layer in (0, 1)])
     assert seen[0] == seen[1]
+
+
+# -- one readiness, many requests: the batched request machine ------------------------------
+
+
+def test_mixed_states_in_one_readiness_are_served_in_order_as_one_at_a_time() -> None:
+    """Requests in several states (runs of one state, an unknown and a stopped one between
+    them, a failure inside a run) get what firing them one at a time gives: plan, failed
+    list and failures in message order, load deadlines restarted in that order."""
+    ep = ready()
+    for ext in ("rcv", "rcv2"):
+        ep.add_request(ext, [0], [0], 0.0)
+    finish(ep, send(ep, rrb(0, [rr("rcv", [1]), rr("rcv2", [2])], seq=0)))  # now receiving
+    for ext in ("adv", "bad", "adv2", "ab"):
+        ep.add_request(ext, [3], [3], 0.0)
+    ep.add_request("new", [4], [4], 0.0, advertised=False)
+    ep.abort(["ab"], "client left", 0.0)
+    ep.release("gone", 0.0)  # retired: unknown without parking
+    ep.add_request("idle", [5], [5], 0.0)  # named by nothing: its deadline stays first
+    states = ep.requests()
+    assert [states[e] for e in ("adv", "rcv", "new", "ab")] == [
+        "advertised", "receiving", "allocated", "aborted",
+    ]  # fmt: skip
+    msg = rrb(
+        1,
+        [
+            rr("adv", [6]), rr("bad", [7], ms=1), rr("adv2", [8]),  # one run, a failure in it
+            rr("rcv", [9]), rr("rcv2", [10]),
+            rr("gone", [11]), rr("ab", [12]), rr("new", [13]),
+        ],
+        seq=1,
+    )  # fmt: skip
+    outs = send(ep, msg, now=1.0)
+    assert request_ids(only(outs, StartRead).plan) == ["adv", "adv2", "rcv", "rcv2", "new"]
+    assert [(f.ext_req_id, f.code) for f in of(outs, RequestFailed)] == [
+        ("bad", ErrorCode.DESTINATION_RANGE)
+    ]
+    states = ep.requests()
+    assert {e: states[e] for e in ("adv", "adv2", "new", "bad", "ab")} == {
+        "adv": "receiving", "adv2": "receiving", "new": "receiving", "bad": "failed",
+        "ab": "aborted",
+    }  # fmt: skip
+    assert list(ep._deadlines) == ["idle", "adv", "adv2", "rcv", "rcv2", "new"]
+    reply = replies(finish(ep, outs, now=2.0))[0]
+    assert [(f.ext_req_id, f.code) for f in reply.failed] == [
+        ("bad", ErrorCode.DESTINATION_RANGE),
+        ("gone", ErrorCode.UNKNOWN_REQUEST),
+        ("ab", ErrorCode.ABORTED),
+    ]
+    assert ep._deadlines == {
+        "idle": ep.config.kv_load_timeout_s,
+        **dict.fromkeys(["adv", "adv2", "rcv", "rcv2", "new"], 2.0 + ep.config.kv_load_timeout_s),
+    }
+
+
+def test_a_request_failing_among_batched_ones_fails_alone_and_the_others_complete() -> None:
+    """A request whose entry is unsound, in a run of requests in one state: it alone is
+    isolated and fails (ABORT to its peer), the others are read and complete."""
+    ep = ready()
+    names = ["a", "b", "c", "d"]
+    for ext in names:
+        ep.add_request(ext, [0, 1], [0, 1], 0.0)
+    outs = send(ep, rrb(0, [rr(e, [1]) for e in names], seq=0))
+    finish(ep, outs)
+    assert set(ep.requests().values()) == {"receiving"}
+    entries = [rr(e, [2]) for e in names]
+    entries[2] = rr("c", [2, 3, 4])  # three blocks into two: the destination does not fit
+    outs = send(ep, rrb(LAST, entries, done=names, seq=1))
+    assert request_ids(only(outs, StartRead).plan) == ["a", "b", "d"]
+    assert [(f.ext_req_id, f.code) for f in of(outs, RequestFailed)] == [
+        ("c", ErrorCode.DESTINATION_RANGE)
+    ]
+    assert [(a.msg.ext_ids, a.peer) for a in of(outs, SendAbort)] == [(["c"], PEER)]
+    after = finish(ep, outs)
+    assert [o.ext_req_id for o in of(after, RequestDone)] == ["a", "b", "d"]
+    assert [f.ext_req_id for f in replies(after)[0].failed] == ["c"]
+    assert ep.requests() == {"a": "done_on_rank", "b": "done_on_rank", "c": "failed",
+                             "d": "done_on_rank"}  # fmt: skip
+
+
+def test_shares_of_kept_entries_stand_only_for_their_request_and_rule() -> None:
+    """Later layers of a step reuse the shares worked out on an earlier one (the same
+    objects); a layer shared otherwise (here one without indexer) or a request registered
+    anew under the same id gets its share worked out again."""
+    layers = [(name, dst_layout(indexer=i != 1)) for i, name in enumerate(LAYER_NAMES)]
+    ep = endpoint(layers=layers)
+    tensors = {name: src_layout(tensors=2 if i == 1 else 4) for i, name in enumerate(LAYER_NAMES)}
+    send(ep, meta(layouts=tensors))
+    ep.add_request("r1", [10, 11], [12, 13], 0.0)
+    ep.add_request("r2", [20], [21], 0.0)
+    entries = [rr("r1", [1, 2], [3, 4]), rr("r2", [5], [5])]
+    seqs = itertools.count()
+
+    def shares(layer: int) -> tuple[Any, ...]:
+        outs = send(ep, rrb(layer, entries, seq=next(seqs)))
+        finish(ep, outs)
+        plan: ReadPlan = only(outs, StartRead).plan
+        return plan.requests
+
+    first = shares(0)
+    assert all(a is b for a, b in zip(first, shares(2), strict=True))
+    main_only = shares(1)
+    assert [list(r.indexer_src) for r in main_only] == [[], []]
+    again = shares(2)
+    assert again == first and all(a is not b for a, b in zip(first, again, strict=True))
+    ep.release("r2", 0.0)
+    ep.add_request("r2", [30], [31], 0.0)
+    r1, r2 = shares(0)
+    assert r1 is again[0] and list(r2.main_dst) == [30] and list(r2.indexer_dst) == [31]

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import pytest
 from transitions import MachineError
 
@@ -188,6 +191,103 @@ def test_guards_are_declared_for_every_condition_and_only_those() -> None:
             name="g", doc="", states=("a", "b"), initial="a",
             transitions=({"trigger": "GO", "source": "a", "dest": "b", "conditions": "is_last"},),
             guards={"other": is_last},
+        )  # fmt: skip
+
+
+def lamp(batched: frozenset[str] = frozenset({"LOCAL_TICK"})) -> MachineSpec:
+    """A machine with a batched input: TICK moves off -> on -> on, BREAK ends one lamp."""
+    return MachineSpec(
+        name="lamp",
+        doc="",
+        states=("off", "on", "broken"),
+        initial="off",
+        transitions=(
+            {"trigger": "LOCAL_TICK", "source": ["off", "on"], "dest": "on", "effect": "light"},
+            *stay("LOCAL_TICK", ["broken"]),
+            {"trigger": "LOCAL_BREAK", "source": "on", "dest": "broken", "effect": "smash"},
+        ),
+        batched=batched,
+    )
+
+
+class _Lamps:
+    def __init__(self) -> None:
+        self.runs: list[tuple[str, list[str], tuple[object, ...]]] = []
+
+    def light(self, recs: list[_Rec], *args: object) -> None:
+        self.runs.append(("light", [r.state for r in recs], args))
+
+    def smash(self, rec: _Rec, *args: object) -> None:
+        self.runs.append(("smash", [rec.state], args))
+
+
+def bound_lamp() -> tuple[_Lamps, BoundMachine]:
+    handlers: dict[str, Callable[..., Any]] = {
+        "light": _Lamps.light,
+        "smash": _Lamps.smash,
+        NO_EFFECT: no_effect,
+    }
+    return _Lamps(), lamp().bind(handlers)
+
+
+def test_fire_batch_looks_up_once_per_run_of_one_state_and_hands_the_run_over() -> None:
+    owner, bound = bound_lamp()
+    recs = [_Rec(s) for s in ("off", "off", "on", "broken", "off")]
+    bound.fire_batch(owner, recs, "LOCAL_TICK", 7)
+    assert [r.state for r in recs] == ["on", "on", "on", "broken", "on"]
+    # runs in order; every record of a run is in its new state when the handler runs
+    # (no_effect has the broken one; "off", "off" then "on" are two runs: two lookups)
+    assert owner.runs == [
+        ("light", ["on", "on"], (7,)),
+        ("light", ["on"], (7,)),
+        ("light", ["on"], (7,)),
+    ]
+    bound.fire_batch(owner, [], "LOCAL_TICK")  # nothing to fire: nothing happens
+    assert len(owner.runs) == 3
+
+
+def test_fire_batch_refuses_a_forbidden_run_after_handling_the_runs_before_it() -> None:
+    spec = MachineSpec(
+        name="m", doc="", states=("a", "b"), initial="a",
+        transitions=({"trigger": "GO", "source": "a", "dest": "b", "effect": "go"},),
+        batched=frozenset({"GO"}),
+    )  # fmt: skip
+    seen: list[int] = []
+    bound = spec.bind({"go": lambda _owner, recs: seen.append(len(recs))})
+    recs = [_Rec("a"), _Rec("b"), _Rec("a")]
+    with pytest.raises(RemoteProtocolError, match="GO is not allowed in state b"):
+        bound.fire_batch(None, recs, "GO", error=RemoteProtocolError)
+    # as one record at a time: the first handled, the forbidden one and those after it not
+    assert [r.state for r in recs] == ["b", "b", "a"] and seen == [1]
+
+
+def test_a_batched_input_is_fired_only_with_fire_batch_and_the_others_only_with_fire() -> None:
+    owner, bound = bound_lamp()
+    with pytest.raises(ValueError, match="LOCAL_TICK is fired with fire_batch"):
+        bound.fire(owner, _Rec("off"), "LOCAL_TICK")
+    with pytest.raises(ValueError, match="LOCAL_TICK is fired with fire_batch"):
+        bound.react(owner, None, "broken", "LOCAL_TICK")
+    with pytest.raises(ValueError, match="LOCAL_BREAK is fired with fire"):
+        bound.fire_batch(owner, [_Rec("on")], "LOCAL_BREAK")
+    rec = _Rec("on")
+    bound.fire(owner, rec, "LOCAL_BREAK", 1)
+    assert rec.state == "broken" and owner.runs == [("smash", ["broken"], (1,))]
+
+
+def test_batched_inputs_must_be_declared_and_share_no_effect_with_the_others() -> None:
+    with pytest.raises(ValueError, match=r"batched inputs \['LOCAL_FLY'\] are not declared"):
+        lamp(frozenset({"LOCAL_TICK", "LOCAL_FLY"}))
+    # (the stays reach NO_EFFECT from both kinds: no conflict, it takes a record or a run)
+    with pytest.raises(ValueError, match=r"effects \['light'\] are reached by batched and"):
+        MachineSpec(
+            name="m", doc="", states=("a", "b"), initial="a",
+            transitions=(
+                {"trigger": "T", "source": "a", "dest": "b", "effect": "light"},
+                {"trigger": "U", "source": "b", "dest": "a", "effect": "light"},
+                *stay("T", ["b"]),
+                *stay("U", ["a"]),
+            ),
+            batched=frozenset({"T"}),
         )  # fmt: skip
 
 

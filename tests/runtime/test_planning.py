@@ -478,6 +478,20 @@ def test_ids_of_mutable_sequences_are_read_afresh() -> None:
     assert len(assert_matches_oracle(_moved(kept, 3))) == 2 * 1 + 2 * 1
 
 
+def test_layers_of_one_size_set_share_the_kept_lengths_with_fresh_addresses() -> None:
+    """Another layer over the same ids and block sizes gets the same (read-only) lengths,
+    their sum known, and address arrays of its own."""
+    plan = make_plan([req((1, 2, 5), (7, 8, 9), (3,), (4,))])
+    first, second = assert_matches_oracle(plan), assert_matches_oracle(_moved(plan, 2))
+    assert np.shares_memory(first.lengths, second.lengths)
+    for a, b in (
+        (first.remote_addrs, second.remote_addrs),
+        (first.local_addrs, second.local_addrs),
+    ):
+        assert not np.shares_memory(a, b)
+    assert second.total_bytes == first.total_bytes == plan.total_bytes
+
+
 def test_many_id_sets_in_turn_match_the_oracle() -> None:
     """More id sets than a thread keeps, interleaved like several Prefill peers."""
     rng = np.random.default_rng(3)
