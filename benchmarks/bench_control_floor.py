@@ -37,6 +37,7 @@ descriptors) for a v1 Prefill (a layout without ``num_blocks``) and a v2 one.
 from __future__ import annotations
 
 import argparse
+import queue
 import random
 import statistics
 import sys
@@ -107,6 +108,67 @@ def socket_floor(request_bytes: int, reply_bytes: int, repeats: int) -> float:
         router.close()
         ctx.term()
     return statistics.median(times)
+
+
+def thread_handoffs(repeats: int) -> tuple[float, float]:
+    """Median one-way hand-off between two threads of this process (seconds), by the two
+    ways the runtime hands work over: (a loop blocked in ``zmq.Poller.poll`` woken through
+    an inproc PAIR, as a socket loop is woken to send; a thread blocked on a
+    ``queue.SimpleQueue``, as Decode's read worker and a gate waiter are woken). Each is
+    half of a ping-pong's round trip: the cost of waking a blocked thread, GIL included."""
+
+    def pair_round_trips() -> list[float]:
+        ctx = zmq.Context()
+        here, there = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+        here.bind("inproc://handoff")
+        there.connect("inproc://handoff")
+
+        def echo() -> None:
+            poller = zmq.Poller()
+            poller.register(there, zmq.POLLIN)
+            for _ in range(repeats + 20):
+                poller.poll(5000)
+                there.send(there.recv())
+
+        thread = threading.Thread(target=echo, daemon=True)
+        thread.start()
+        poller = zmq.Poller()
+        poller.register(here, zmq.POLLIN)
+        times = []
+        try:
+            for _ in range(repeats + 20):
+                t0 = time.perf_counter()
+                here.send(b"w")
+                poller.poll(5000)
+                here.recv()
+                times.append(time.perf_counter() - t0)
+            thread.join(5.0)
+        finally:
+            here.close()
+            there.close()
+            ctx.term()
+        return times[20:]
+
+    def queue_round_trips() -> list[float]:
+        there: queue.SimpleQueue[int] = queue.SimpleQueue()
+        back: queue.SimpleQueue[int] = queue.SimpleQueue()
+
+        def echo() -> None:
+            for _ in range(repeats + 20):
+                back.put(there.get(timeout=5.0))
+
+        thread = threading.Thread(target=echo, daemon=True)
+        thread.start()
+        times = []
+        for i in range(repeats + 20):
+            t0 = time.perf_counter()
+            there.put(i)
+            back.get(timeout=5.0)
+            times.append(time.perf_counter() - t0)
+        thread.join(5.0)
+        return times[20:]
+
+    return statistics.median(pair_round_trips()) / 2, statistics.median(queue_round_trips()) / 2
 
 
 # -- the layer, instrumented from outside ----------------------------------------------------
@@ -449,6 +511,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{fmt_ms(old)} ms, persistent worker {fmt_ms(new)} ms ({old / new:.1f}x)"
     )
 
+    pair_wake, queue_wake = thread_handoffs(args.floor_repeats // 4)
+    print(
+        f"\nthread hand-off, one way, bare (median): a loop woken through its inproc PAIR "
+        f"{fmt_ms(pair_wake)} ms, a thread woken from a queue {fmt_ms(queue_wake)} ms. In a "
+        "layer a woken thread also waits for the GIL until its waker blocks, so the layer's "
+        "own hops (above) cost more. What a layer's transport alone costs, no work counted "
+        "(its hops + its two socket legs, medians from the breakdown):"
+    )
+    for shape, parts in breakdowns:
+        hops = sum(value for label, value in parts.items() if " hop: " in label)
+        legs = sum(value for label, value in parts.items() if ": TCP," in label)
+        print(
+            f"  {shape:<16} hops {fmt_ms(hops)} + socket legs {fmt_ms(legs)} = "
+            f"{fmt_ms(hops + legs)} ms"
+        )
     print(
         "\ngoals: 1x16 D rtt <= floor + 0.100 ms and gate <= 0.250 ms; "
         "64x256 random D rtt <= 1.000 ms and gate <= 0.800 ms"
