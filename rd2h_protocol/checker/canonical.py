@@ -197,6 +197,10 @@ _REFS: Final[dict[str, dict[str, str]]] = {
     "rd2h_protocol.consumer.records._Readiness": {"accepted": "ext_id", "in_plan": "ext_id"},
 }
 _ATOMIC: Final = frozenset({str, int, bytes, bool, type(None)})
+# Types whose values are their own canonical form: the atomic ones, or none while a
+# renaming is applied (then every value goes through _canon, which renames). The hot
+# loops below test it inline instead of calling _canon for each int and string.
+_AS_IS: frozenset[type] = _ATOMIC
 _NOW: list[float] = [0.0]  # the instant times are measured from, while canonicalising
 # The renaming of request ids and block ids applied while canonicalising (symmetry), and
 # whether structs are written as data (so that renaming reaches inside them) or as bytes.
@@ -216,7 +220,7 @@ def _canon(obj: object) -> _Canon:
         return obj - _NOW[0]  # type: ignore[operator]
     # The common containers inline (this runs a few hundred times per state).
     if t is tuple or t is list:
-        return tuple([_canon(x) for x in obj]) if obj else ()  # type: ignore[attr-defined]
+        return tuple([x if type(x) in _AS_IS else _canon(x) for x in obj]) if obj else ()  # type: ignore[attr-defined]
     if t is dict:
         return _canon_map(obj) if obj else _EMPTY_MAP
     if t is set or t is frozenset:
@@ -239,15 +243,26 @@ def _sorted(items: list[_Canon]) -> tuple[_Canon, ...]:
 
 
 def _canon_seq(obj: Any) -> _Canon:
-    return tuple([_canon(x) for x in obj])
+    return tuple([x if type(x) in _AS_IS else _canon(x) for x in obj])
 
 
 def _canon_map(obj: Any) -> _Canon:
-    return ("{}", _sorted([(_canon(k), _canon(v)) for k, v in obj.items()]))
+    return (
+        "{}",
+        _sorted(
+            [
+                (
+                    k if type(k) in _AS_IS else _canon(k),
+                    v if type(v) in _AS_IS else _canon(v),
+                )
+                for k, v in obj.items()
+            ]
+        ),
+    )
 
 
 def _canon_set(obj: Any) -> _Canon:
-    return ("set", _sorted([_canon(x) for x in obj]))
+    return ("set", _sorted([x if type(x) in _AS_IS else _canon(x) for x in obj]))
 
 
 def _canon_struct(obj: Any) -> _Canon:
@@ -372,7 +387,7 @@ def _canon_vars(obj: object) -> tuple[_Canon, ...]:
     if cached is None or cached[0] != keys:
         skip = _skip_of(cls)
         cached = _VAR_NAMES[cls] = (frozenset(keys), tuple(a for a in sorted(own) if a not in skip))
-    return tuple([_canon(own[a]) for a in cached[1]])
+    return tuple([v if type(v) in _AS_IS else _canon(v) for v in map(own.__getitem__, cached[1])])
 
 
 def _skip_of(cls: type) -> frozenset[str]:
@@ -424,7 +439,7 @@ def _handler_for(t: type) -> Callable[[Any], _Canon]:
     def handler(obj: Any) -> _Canon:
         fields: list[_Canon] = [qualname]
         if get_plain is not None:
-            fields.extend([_canon(v) for v in get_plain(obj)])
+            fields.extend([v if type(v) in _AS_IS else _canon(v) for v in get_plain(obj)])
         elif plain:
             fields.append(_canon(getattr(obj, plain[0])))
         for attr, key in referring:
@@ -452,7 +467,9 @@ def fingerprint(world: World, *, symmetry: bool = False) -> int:
         static.renamings = _renamings(world)
     if not symmetry or len(static.renamings) == 1:
         return hash(_canon(world))
+    global _AS_IS
     _STRUCTS_AS_DATA[0] = True
+    _AS_IS = frozenset()
     try:
         best = None
         for renaming in static.renamings:
@@ -463,6 +480,7 @@ def fingerprint(world: World, *, symmetry: bool = False) -> int:
     finally:
         _RENAME.clear()
         _STRUCTS_AS_DATA[0] = False
+        _AS_IS = _ATOMIC
     assert best is not None
     return best
 
