@@ -196,7 +196,7 @@ _REFS: Final[dict[str, dict[str, str]]] = {
     "rd2h_protocol.producer.records._Request": {"conn": "name"},
     "rd2h_protocol.consumer.records._Readiness": {"accepted": "ext_id", "in_plan": "ext_id"},
 }
-_ATOMIC: Final = frozenset({str, int, bytes, bool, type(None)})
+_ATOMIC: Final[frozenset[type]] = frozenset({str, int, bytes, bool, type(None)})
 # Types whose values are their own canonical form: the atomic ones, or none while a
 # renaming is applied (then every value goes through _canon, which renames). The hot
 # loops below test it inline instead of calling _canon for each int and string.
@@ -310,16 +310,15 @@ def _canon_world(world: Any) -> _Canon:
     # one Prefill still holds (and may resend) or one in flight. Prefill never resends an
     # ended publication and never reuses a seq, and the model stays far below the memory's
     # bounds, so what Decode remembers of any other seq changes nothing that follows.
+    # (Every live publication, as publications() would list it, without building views.)
     askable = {
-        (prod.config.session, v.conn, v.seq)
+        (prod.config.session, pub.conn.name, pub.seq)
         for prod in world.producers
-        for v in prod.publications().values()
+        for pub in prod._pubs.values()
     }
     for f in world.network:
         if f.kind == "ReadReadyBatch":
-            msg = decode(f.data)
-            assert isinstance(msg, ReadReadyBatch)
-            askable.add((f.src[1], f.dst[1], msg.seq))
+            askable.add((f.src[1], f.dst[1], _readiness_seq(f.data)))
     remembered = _sorted(
         [
             (conn, name, seq, _canon(reply))
@@ -346,23 +345,48 @@ def _canon_frame(frame: Frame) -> _Canon:
     """A frame as what its receiver acts on: texts (reasons, error messages) and the send
     time of frames without a delivery bound change nothing."""
     head = (frame.src, frame.dst)
-    if frame.kind == "Abort":
-        msg = decode(frame.data)
-        assert isinstance(msg, Abort)
-        return (head, "abort", _canon(msg.ext_ids))
-    if frame.kind == "ReadFailed":
-        failed = decode(frame.data)
-        assert isinstance(failed, ReadFailed)
-        return (head, "failed", failed.layer_idx, failed.seq, failed.code)
-    if frame.kind == "ReadDone":
-        done = decode(frame.data)
-        assert isinstance(done, ReadDone)
-        isolated = _canon([(f.ext_req_id, f.code) for f in done.failed or ()])
-        return (head, "done", done.layer_idx, done.seq, isolated)
+    if frame.kind in _REPLY_KINDS:
+        if _RENAME:  # a renaming reaches inside: nothing cached
+            return (head, *_reply_form(frame))
+        form = _REPLY_FORMS.get(frame.data)
+        if form is None:
+            form = _REPLY_FORMS[frame.data] = _reply_form(frame)
+        return (head, *form)
     deliver_by = None if frame.deliver_by is None else frame.deliver_by - _NOW[0]
     if frame.kind == "ReadReadyBatch" and _STRUCTS_AS_DATA[0]:
         return (head, _canon_struct(decode(frame.data)), deliver_by)
     return (head, frame.data, deliver_by)
+
+
+_REPLY_KINDS: Final = frozenset({"Abort", "ReadFailed", "ReadDone"})
+# The form of a reply or an ABORT (after its head) and the seq of a readiness, by the
+# frame's bytes: decoded once each, as the model sends few distinct ones (a frame's bytes
+# decide its message; the forms are written without a renaming).
+_REPLY_FORMS: dict[bytes, tuple[_Canon, ...]] = {}
+_SEQS: dict[bytes, int | None] = {}
+
+
+def _reply_form(frame: Frame) -> tuple[_Canon, ...]:
+    if frame.kind == "Abort":
+        msg = decode(frame.data)
+        assert isinstance(msg, Abort)
+        return ("abort", _canon(msg.ext_ids))
+    if frame.kind == "ReadFailed":
+        failed = decode(frame.data)
+        assert isinstance(failed, ReadFailed)
+        return ("failed", failed.layer_idx, failed.seq, failed.code)
+    done = decode(frame.data)
+    assert isinstance(done, ReadDone)
+    isolated = _canon([(f.ext_req_id, f.code) for f in done.failed or ()])
+    return ("done", done.layer_idx, done.seq, isolated)
+
+
+def _readiness_seq(data: bytes) -> int | None:
+    if data not in _SEQS:
+        msg = decode(data)
+        assert isinstance(msg, ReadReadyBatch)
+        _SEQS[data] = msg.seq
+    return _SEQS[data]
 
 
 def _canon_producer(prod: Any) -> _Canon:
