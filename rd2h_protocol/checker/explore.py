@@ -30,7 +30,6 @@ it at once.
 
 from __future__ import annotations
 
-import pickle
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -39,6 +38,7 @@ from functools import partial
 from rd2h_protocol.checker.canonical import fingerprint
 from rd2h_protocol.checker.invariants import InvariantViolation
 from rd2h_protocol.checker.model import Action, WorldConfig
+from rd2h_protocol.checker.snapshot import load_world
 from rd2h_protocol.checker.world import World
 
 __all__ = ["ExploreResult", "explore"]
@@ -143,19 +143,19 @@ def explore(
         if last is not None:
             path.append(last)
         labels: list[str] = []
-        state: World = pickle.loads(root_data)
+        state: World = load_world(root_data)
         for n, act in enumerate(path):
             labels.append(state.describe(act))
             if n < len(path) - 1:
                 state.apply(act)
-                state = pickle.loads(state.snapshot())
+                state = load_world(state.snapshot())
         return labels if end is None else [*labels, end]
 
     stop = False
     while frontier and not stop:
         successors: list[tuple[int, bytes]] = []
         for fp, data in frontier:
-            state: World = pickle.loads(data)
+            state: World = load_world(data)
             acts = state.actions()
             if not acts:
                 result.final_states += 1
@@ -169,7 +169,7 @@ def explore(
                 continue
             for n, act in enumerate(acts):
                 # The last action may consume the parent itself: one copy fewer.
-                child: World = state if n == len(acts) - 1 else pickle.loads(data)
+                child: World = state if n == len(acts) - 1 else load_world(data)
                 result.transitions += 1
                 try:
                     child.apply(act)
