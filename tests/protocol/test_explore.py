@@ -289,6 +289,9 @@ def test_explorer_catches_a_planted_bug_with_a_shortest_trace(
 # -- expected violations -------------------------------------------------------------------
 
 
+# Bounded by its states (10,863, ~8 s of CPU); the timeout only guards against a hang on a
+# loaded machine, where the default 120 s was once reached.
+@pytest.mark.timeout(600)
 def test_reopen_breaks_s1_and_nothing_else() -> None:
     result = explore("reopen", CONFIGS["reopen"])
     assert result.complete and result.passed
