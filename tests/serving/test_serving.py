@@ -274,7 +274,8 @@ class TestPrefillTp2(TokenChecks):
     words = (40, 150)
 
     @pytest.fixture(autouse=True, scope="class")
-    def first_request(self, serving_pool: ServerPool) -> None:
+    @classmethod
+    def first_request(cls, serving_pool: ServerPool) -> None:
         """One request through the cluster before its checks, allowed to fail once.
 
         Decode's first NIXL read from this freshly started TP 2 Prefill sometimes stalls
@@ -284,9 +285,9 @@ class TestPrefillTp2(TokenChecks):
         checks below then test token identity once Decode has read from both ranks. A
         second failure fails the class.
         """
-        cluster = serving_pool.cluster(self.cluster)
+        cluster = serving_pool.cluster(cls.cluster)
         model = cluster.prefill[0].spec.model.name
-        prompts = make_prompts(2, seed=self.seed + 1, words=(40, 60))
+        prompts = make_prompts(2, seed=cls.seed + 1, words=(40, 60))
         try:
             complete(cluster.url, model, prompts[0], MAX_TOKENS)
         except CompletionError as exc:
