@@ -116,59 +116,55 @@ def thread_handoffs(repeats: int) -> tuple[float, float]:
     an inproc PAIR, as a socket loop is woken to send; a thread blocked on a
     ``queue.SimpleQueue``, as Decode's read worker and a gate waiter are woken). Each is
     half of a ping-pong's round trip: the cost of waking a blocked thread, GIL included."""
+    ctx = zmq.Context()
+    here, there = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    here.bind("inproc://handoff")
+    there.connect("inproc://handoff")
+    poller = zmq.Poller()
+    poller.register(here, zmq.POLLIN)
 
-    def pair_round_trips() -> list[float]:
-        ctx = zmq.Context()
-        here, there = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
-        here.bind("inproc://handoff")
-        there.connect("inproc://handoff")
+    def pair_echo() -> None:
+        echo_poller = zmq.Poller()
+        echo_poller.register(there, zmq.POLLIN)
+        while echo_poller.poll(5000):
+            frame = there.recv()
+            if not frame:  # the stop
+                return
+            there.send(frame)
 
-        def echo() -> None:
-            poller = zmq.Poller()
-            poller.register(there, zmq.POLLIN)
-            for _ in range(repeats + 20):
-                poller.poll(5000)
-                there.send(there.recv())
+    def pair_round_trip() -> None:
+        here.send(b"w")
+        poller.poll(5000)
+        here.recv()
 
-        thread = threading.Thread(target=echo, daemon=True)
-        thread.start()
-        poller = zmq.Poller()
-        poller.register(here, zmq.POLLIN)
-        times = []
-        try:
-            for _ in range(repeats + 20):
-                t0 = time.perf_counter()
-                here.send(b"w")
-                poller.poll(5000)
-                here.recv()
-                times.append(time.perf_counter() - t0)
-            thread.join(5.0)
-        finally:
-            here.close()
-            there.close()
-            ctx.term()
-        return times[20:]
+    echo = threading.Thread(target=pair_echo, daemon=True)
+    echo.start()
+    try:
+        pair = median_call(pair_round_trip, repeats)
+        here.send(b"")
+        echo.join(5.0)
+    finally:
+        here.close()
+        there.close()
+        ctx.term()
 
-    def queue_round_trips() -> list[float]:
-        there: queue.SimpleQueue[int] = queue.SimpleQueue()
-        back: queue.SimpleQueue[int] = queue.SimpleQueue()
+    ahead: queue.SimpleQueue[int | None] = queue.SimpleQueue()
+    back: queue.SimpleQueue[int] = queue.SimpleQueue()
 
-        def echo() -> None:
-            for _ in range(repeats + 20):
-                back.put(there.get(timeout=5.0))
+    def queue_echo() -> None:
+        while (item := ahead.get(timeout=5.0)) is not None:
+            back.put(item)
 
-        thread = threading.Thread(target=echo, daemon=True)
-        thread.start()
-        times = []
-        for i in range(repeats + 20):
-            t0 = time.perf_counter()
-            there.put(i)
-            back.get(timeout=5.0)
-            times.append(time.perf_counter() - t0)
-        thread.join(5.0)
-        return times[20:]
+    def queue_round_trip() -> None:
+        ahead.put(1)
+        back.get(timeout=5.0)
 
-    return statistics.median(pair_round_trips()) / 2, statistics.median(queue_round_trips()) / 2
+    echo = threading.Thread(target=queue_echo, daemon=True)
+    echo.start()
+    queued = median_call(queue_round_trip, repeats)
+    ahead.put(None)
+    echo.join(5.0)
+    return pair / 2, queued / 2
 
 
 # -- the layer, instrumented from outside ----------------------------------------------------
