@@ -58,31 +58,37 @@ def _report(result: ExploreResult, max_states: int) -> None:
 
 def _report_reduction(reduction: str, reduced: ExploreResult, plain: ExploreResult) -> None:
     print(
-        f"{reduced.name}: {reduction} reduction {reduced.states} states in "
-        f"{reduced.cpu_seconds:.1f} s CPU, without {plain.states} states in "
+        f"{reduced.name}: {reduction} reduction {reduced.states} states, "
+        f"{reduced.transitions} transitions in {reduced.cpu_seconds:.1f} s CPU, without "
+        f"{plain.states} states, {plain.transitions} transitions in "
         f"{plain.cpu_seconds:.1f} s CPU: states x{plain.states / reduced.states:.2f}, "
+        f"transitions x{plain.transitions / max(reduced.transitions, 1):.2f}, "
         f"CPU time x{plain.cpu_seconds / max(reduced.cpu_seconds, 1e-9):.2f}"
         + ("" if reduced.complete and plain.complete else " (bounded by --max-states)"),
         flush=True,
     )
 
 
-# The reductions --compare-reduction measures (see rd2h_protocol.checker.canonical).
-_REDUCTIONS = ("symmetry", "duplicates")
+# The reductions --compare-reduction measures (see rd2h_protocol.checker.canonical and,
+# for sleep sets, rd2h_protocol.checker.explore).
+_REDUCTIONS = ("symmetry", "duplicates", "sleep-sets")
 
 
 def _variants(
-    cfg: WorldConfig, symmetry: bool, compare: str | None
-) -> list[tuple[WorldConfig, bool]]:
-    """How to explore ``cfg``: as asked, or (``compare``) with that reduction, then without."""
+    cfg: WorldConfig, symmetry: bool, sleep_sets: bool, compare: str | None
+) -> list[tuple[WorldConfig, bool, bool]]:
+    """How to explore ``cfg`` (config, symmetry, sleep sets): as asked, or (``compare``)
+    with that reduction, then without."""
     if compare == "symmetry":
-        return [(cfg, True), (cfg, False)]
+        return [(cfg, True, sleep_sets), (cfg, False, sleep_sets)]
+    if compare == "sleep-sets":
+        return [(cfg, symmetry, True), (cfg, symmetry, False)]
     if compare == "duplicates":
         return [
-            (replace(cfg, duplicate_on_delivery=True), symmetry),
-            (replace(cfg, duplicate_on_delivery=False), symmetry),
+            (replace(cfg, duplicate_on_delivery=True), symmetry, sleep_sets),
+            (replace(cfg, duplicate_on_delivery=False), symmetry, sleep_sets),
         ]
-    return [(cfg, symmetry)]
+    return [(cfg, symmetry, sleep_sets)]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -127,10 +133,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="merge states that differ by a permutation of interchangeable requests",
     )
     parser.add_argument(
+        "--no-sleep-sets",
+        action="store_true",
+        help="take every enabled action in every state (no partial-order reduction; the "
+        "same states, more transitions)",
+    )
+    parser.add_argument(
         "--compare-reduction",
         choices=_REDUCTIONS,
         help="explore every chosen configuration with and without this reduction and print "
-        "the ratios of states and of CPU time",
+        "the ratios of states, transitions and CPU time",
     )
     parser.add_argument("--list", action="store_true", help="list the configurations and exit")
     args = parser.parse_args(argv)
@@ -150,9 +162,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfgs = [replace(c, budgets=tuple({**dict(c.budgets), **overrides}.items())) for c in cfgs]
     bounds = [args.max_states or max_states_of(name) for name in names]
     work = [
-        (name, variant, bound, symmetry)
+        (name, variant, bound, symmetry, sleep_sets)
         for name, cfg, bound in zip(names, cfgs, bounds, strict=True)
-        for variant, symmetry in _variants(cfg, args.symmetry, args.compare_reduction)
+        for variant, symmetry, sleep_sets in _variants(
+            cfg, args.symmetry, not args.no_sleep_sets, args.compare_reduction
+        )
     ]
     jobs = min(len(work), args.jobs or os.cpu_count() or 1)
     total_states = 0

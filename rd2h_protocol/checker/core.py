@@ -17,6 +17,7 @@ every lease expiry (:mod:`~rd2h_protocol.checker.clock`).
 
 from __future__ import annotations
 
+from rd2h_protocol.checker import footprint
 from rd2h_protocol.checker.invariants import (
     InvariantViolation,
     check_done_on_rank,
@@ -289,6 +290,7 @@ class WorldCore:
     def prefill_abort(self, ext: str) -> None:
         """The Prefill scheduler aborts the request on every rank that holds it."""
         for p, prod in enumerate(self.producers):
+            footprint.touch(footprint.agent("P", p))  # asked whether it holds ext
             if ext in prod.requests():
                 self._producer_outputs(p, prod.abort([ext], "aborted by the model", self.now))
         self._gather()
@@ -357,6 +359,7 @@ class WorldCore:
                 rank.chunks[ext] = k + 1
         self._version += 1
         owners = frozenset(prod.requests())
+        footprint.touch(footprint.storage_write(rank.session))
         for base in _prefill_bases(layer % self.cfg.n_storages):
             self.pmem[(rank.session, base)] = (layer, self._version, owners)
         self._producer_outputs(p, prod.layer_written(layer, self.now))
@@ -370,11 +373,13 @@ class WorldCore:
 
     def transmit(self, frame: Frame) -> None:
         """Put ``frame`` on the network (override for another transport)."""
+        footprint.touch(footprint.append(frame.src[1], frame.dst[1]))
         self.network.append(frame)
 
     # -- outputs ---------------------------------------------------------------------------
 
     def _producer_outputs(self, p: int, outs: list[ProducerOutput]) -> None:
+        footprint.touch(footprint.agent("P", p))
         session = self.ranks[p].session
         for o in outs:
             if isinstance(o, Send):
@@ -399,6 +404,7 @@ class WorldCore:
             elif isinstance(o, Disconnect):
                 # A fresh DEALER: nothing of the old connection arrives any more.
                 conn = o.conn
+                footprint.touch(footprint.purge(session, conn))
                 self.network = [f for f in self.network if {f.src[1], f.dst[1]} != {session, conn}]
             elif isinstance(o, RequestFinished):
                 key = (session, o.ext_req_id)
@@ -407,6 +413,7 @@ class WorldCore:
                 self._prefill_finished.add(key)
 
     def _consumer_outputs(self, e: int, d: int, outs: list[ConsumerOutput]) -> None:
+        footprint.touch(footprint.agent("D", e))
         conn = self.conn_name(e, d)
         for o in outs:
             if isinstance(o, Reply | SendAbort):
@@ -499,6 +506,8 @@ class WorldCore:
                 and self.completions[e].is_idle()
             ):
                 continue
+            if any(done or failed for done, failed in pending):
+                footprint.touch(footprint.agent("D", e))  # else a no-op: see footprint
             reports = [RankReport(tuple(done), tuple(failed)) for done, failed in pending]
             self._reports[e] = [([], []) for _ in pending]
             result = self.completions[e].update(reports, _identity, self.now)

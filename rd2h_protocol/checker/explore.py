@@ -14,8 +14,47 @@ left out (dict order, read ids, counters, texts, the history of finished request
 shift of every time), so that states reached along different paths merge. Time moves in
 ticks once every due timer fired and no compute step is possible (the network and reads
 may be slow; timers and compute are prompt). Breadth first means the first violation
-found has a shortest trace, which it prints. A state with no enabled action must satisfy
-L1 and B1 (no deadlock, nothing left behind).
+found has a shortest trace, which it prints (but see "Sleep sets"). A state with no
+enabled action must satisfy L1 and B1 (no deadlock, nothing left behind).
+
+Sleep sets (partial-order reduction)
+------------------------------------
+Two actions enabled in the same state often commute: a Prefill rank writing its next
+layer and Decode delivering a reply of another connection end in the same state in
+either order. The plain search takes both orders and finds the second state again.
+With sleep sets (Godefroid's, adapted to a breadth-first search with state caching;
+``sleep_sets``, on by default), each state carries the actions whose other order was
+taken already: when the search takes ``a`` from a state and then ``b``, the state that
+``b`` reaches does not take ``a``, if ``a`` and ``b`` are independent there.
+Independence is read from the footprints the world notes as each action runs (what it
+read and wrote; :mod:`~rd2h_protocol.checker.footprint` argues why disjoint footprints
+commute). A sleeping action keeps the footprint it had where the search took it:
+nothing it reads has changed since, or it would have woken up. Actions are named by
+what they do (:func:`_key`), the same in every state the fingerprint merges. Not with
+``symmetry``: a state merged with its mirror image names its requests otherwise than
+the sleep sets that reach it.
+
+Why nothing is lost: sleep sets skip transitions, never states. Every state the plain
+search reaches is reached, and every transition skipped is one the search took in an
+equivalent position, where the action read the same parts of the state (so its checks,
+which read only those, gave the same verdict); the state invariants are checked in
+every state, as before. What that needs, as in Godefroid's algorithm: a state found
+again with a sleep set that lacks some of the actions its first visit slept on must
+take those actions too. A state not expanded yet keeps the intersection of its sleep
+sets; an expanded one is taken again with the woken actions (from its snapshot while
+it is one of the last two depths, else replayed from the root; ``reopened`` counts
+them). Tests hold the reduction to this: the same states, final states, depth and
+violations as the plain search on complete explorations, and every pair of actions
+called independent in the first states of ten configurations taken in both orders in
+the real world, to the same state.
+
+The one property it weakens: a trace printed is shortest unless the state it reaches
+was first found through a reopened state (``--no-sleep-sets`` always prints a
+shortest one). Measured with ``--compare-reduction sleep-sets`` on the 13 designed
+configurations: see the closing figures in ``tools/run-tests.sh``. Most pairs of
+enabled actions that the plain search takes in both orders do not commute at all (see
+"Partial-order reduction" in :mod:`~rd2h_protocol.checker.canonical`), so the gain is
+modest: about a fifth of the transitions.
 
 Peers and expected violations: a configuration may model a v1 Prefill, a Decode with a
 subset of the capabilities (none at all models a v1 Decode) and ``v1_lease_expiry``
@@ -34,8 +73,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
+from typing import Final
 
-from rd2h_protocol.checker.canonical import fingerprint
+from rd2h_protocol.checker.canonical import fingerprint, read_form
+from rd2h_protocol.checker.footprint import Footprint, conflict, recording
 from rd2h_protocol.checker.invariants import InvariantViolation
 from rd2h_protocol.checker.model import Action, WorldConfig
 from rd2h_protocol.checker.snapshot import load_world
@@ -55,6 +96,7 @@ class ExploreResult:
     transitions: int = 0
     depth: int = 0
     final_states: int = 0
+    reopened: int = 0
     complete: bool = True
     seconds: float = 0.0
     cpu_seconds: float = 0.0
@@ -102,6 +144,7 @@ def explore(
     max_states: int = 1_000_000,
     world: Callable[[WorldConfig], World] = World,
     symmetry: bool = False,
+    sleep_sets: bool = True,
 ) -> ExploreResult:
     """Breadth-first search over every interleaving of ``cfg``'s enabled actions.
 
@@ -113,6 +156,10 @@ def explore(
     (see :func:`~rd2h_protocol.checker.canonical.fingerprint`).
     """
     started, cpu_started = time.perf_counter(), time.process_time()
+    # A frame action names its queue's head (_key): frames must arrive in order. A sleep
+    # set names requests and sessions, which the symmetry reduction renames when it merges
+    # a state with its mirror image: the two reductions do not combine.
+    sleep_sets = sleep_sets and cfg.fifo and not symmetry
     result = ExploreResult(name, frozenset(cfg.expect))
     try:
         root = world(cfg)
@@ -129,10 +176,8 @@ def explore(
     parents: dict[int, tuple[int, Action] | None] = {fp: None}
     frontier: list[tuple[int, bytes]] = [(fp, data)]
 
-    def trace_to(node: int, last: Action | None = None, end: str | None = None) -> list[str]:
-        """The labels of the path to ``node`` (and of ``last``, taken from there; then
-        ``end``), replayed from the root: each state as the search held it, a snapshot
-        read back."""
+    def path_to(node: int) -> list[Action]:
+        """The actions that first reached ``node``, from the root."""
         path: list[Action] = []
         entry = parents[node]
         while entry is not None:
@@ -140,6 +185,21 @@ def explore(
             path.append(act)
             entry = parents[node]
         path.reverse()
+        return path
+
+    def replay(node: int) -> World:
+        """State ``node`` as the search held it (each step a snapshot read back)."""
+        state: World = load_world(root_data)
+        for act in path_to(node):
+            state.apply(act)
+            state = load_world(state.snapshot())
+        return state
+
+    def trace_to(node: int, last: Action | None = None, end: str | None = None) -> list[str]:
+        """The labels of the path to ``node`` (and of ``last``, taken from there; then
+        ``end``), replayed from the root: each state as the search held it, a snapshot
+        read back."""
+        path = path_to(node)
         if last is not None:
             path.append(last)
         labels: list[str] = []
@@ -151,49 +211,114 @@ def explore(
                 state = load_world(state.snapshot())
         return labels if end is None else [*labels, end]
 
+    # The sleep set of every state found (the actions its expansion skips: see "Sleep
+    # sets" above), by stable key, with the footprint each had when the search took it.
+    sleep: dict[int, dict[Action, Footprint]] = {fp: {}}
+    expanded: set[int] = set()
+    # Expanded states found again with actions of their sleep set awake: those actions,
+    # and the sleep set to take them with.
+    reopened: dict[int, tuple[set[Action], dict[Action, Footprint]]] = {}
+
+    def expand(
+        fp: int,
+        data: bytes,
+        state: World,
+        acts: list[Action],
+        asleep: dict[Action, Footprint],
+        only: set[Action] | None = None,
+    ) -> bool:
+        """Take from ``state`` (consumed; ``data`` is its snapshot) every action of
+        ``acts`` not in ``asleep`` (``only``: just those of these keys); False once the
+        search must stop."""
+        keys = [_key(state, act) for act in acts] if sleep_sets else acts
+        todo = [n for n, k in enumerate(keys) if (k not in asleep if only is None else k in only)]
+        taken_before: dict[Action, Footprint] = dict(asleep)
+        for n in todo:
+            act = acts[n]
+            # The last action may consume the parent itself: one copy fewer.
+            child: World = state if n == todo[-1] else load_world(data)
+            result.transitions += 1
+            stop = False
+            try:
+                with recording() as touched:
+                    child.apply(act)
+            except InvariantViolation as exc:
+                stop = not result.record(exc, partial(trace_to, fp, act))
+            except Exception as exc:  # an endpoint that raises is a bug too
+                crash = InvariantViolation("CRASH", f"{type(exc).__name__}: {exc}")
+                stop = not result.record(crash, partial(trace_to, fp, act))
+            else:
+                child_fp = fingerprint(child, symmetry=symmetry)
+                child_sleep: dict[Action, Footprint] = {}
+                if sleep_sets:
+                    taken = frozenset(touched)
+                    child_sleep = {k: f for k, f in taken_before.items() if not conflict(taken, f)}
+                    taken_before[keys[n]] = taken
+                if child_fp in parents:
+                    if sleep_sets:
+                        revisit(child_fp, child_sleep)
+                    continue
+                parents[child_fp] = (fp, act)
+                sleep[child_fp] = child_sleep
+                successors.append((child_fp, child.snapshot()))
+                if len(parents) >= max_states:
+                    result.complete = False
+                    stop = True
+            if stop:
+                return False
+        return True
+
+    def revisit(fp: int, incoming: dict[Action, Footprint]) -> None:
+        """``fp`` found again, with sleep set ``incoming``: what slept there and is awake
+        on this path must be taken from it too (later, if it is expanded already)."""
+        old = sleep[fp]
+        woken = {k for k in old if k not in incoming}
+        if not woken:
+            return
+        sleep[fp] = {k: f for k, f in old.items() if k in incoming}
+        if fp in expanded:
+            if fp in reopened:
+                # Taking more actions, each with less asleep, explores a superset.
+                more, had = reopened[fp]
+                incoming = {k: f for k, f in had.items() if k in incoming}
+                woken |= more
+            reopened[fp] = (woken, incoming)
+
     stop = False
+    previous: list[tuple[int, bytes]] = []
     while frontier and not stop:
         successors: list[tuple[int, bytes]] = []
+        # The snapshots of the last two depths, for states found again from here (most
+        # are; the others are replayed from the root).
+        held = {**dict(previous), **dict(frontier)}
         for fp, data in frontier:
             state: World = load_world(data)
+            expanded.add(fp)
             acts = state.actions()
-            if not acts:
-                result.final_states += 1
-                try:
-                    state.check_quiescent()
-                    state.check_idle()
-                except InvariantViolation as exc:
-                    stop = not result.record(exc, partial(trace_to, fp, None, "(no action left)"))
-                    if stop:
-                        break
+            if acts:
+                if not expand(fp, data, state, acts, sleep[fp]):
+                    stop = True
+                    break
                 continue
-            for n, act in enumerate(acts):
-                # The last action may consume the parent itself: one copy fewer.
-                child: World = state if n == len(acts) - 1 else load_world(data)
-                result.transitions += 1
-                try:
-                    child.apply(act)
-                except InvariantViolation as exc:
-                    stop = not result.record(exc, partial(trace_to, fp, act))
-                except Exception as exc:  # an endpoint that raises is a bug too
-                    crash = InvariantViolation("CRASH", f"{type(exc).__name__}: {exc}")
-                    stop = not result.record(crash, partial(trace_to, fp, act))
-                else:
-                    child_fp = fingerprint(child, symmetry=symmetry)
-                    if child_fp in parents:
-                        continue
-                    parents[child_fp] = (fp, act)
-                    successors.append((child_fp, child.snapshot()))
-                    if len(parents) >= max_states:
-                        result.complete = False
-                        stop = True
+            result.final_states += 1
+            try:
+                state.check_quiescent()
+                state.check_idle()
+            except InvariantViolation as exc:
+                stop = not result.record(exc, partial(trace_to, fp, None, "(no action left)"))
                 if stop:
                     break
-            if stop:
-                break
+        while reopened and not stop:
+            fp, (woken, asleep) = reopened.popitem()
+            result.reopened += 1
+            kept = held.get(fp)
+            state = replay(fp) if kept is None else load_world(kept)
+            data = state.snapshot() if kept is None else kept
+            if not expand(fp, data, state, state.actions(), asleep, woken):
+                stop = True
         if stop:
             break
-        frontier = successors
+        previous, frontier = frontier, successors
         if frontier:
             result.depth += 1
             # Seqs and uids grow by a few per step: far below the block ids (FIRST_*_BLOCK).
@@ -204,6 +329,27 @@ def explore(
     return result
 
 
-def _explore_star(job: tuple[str, WorldConfig, int, bool]) -> ExploreResult:
-    name, cfg, max_states, symmetry = job
-    return explore(name, cfg, max_states=max_states, symmetry=symmetry)
+_FRAME_ACTIONS: Final = frozenset({"deliver", "drop", "lose", "dup"})
+
+
+def _key(state: World, act: Action) -> Action:
+    """``act`` by what it does, the same in every state the fingerprint merges: a frame
+    action names its connection's queue, not where its frame sits in the network list
+    (only a queue's head is taken); a read names its plan, not its read id (a label the
+    canonical form leaves out: two merged states may number their reads otherwise); the
+    others are stable already."""
+    if act[0] in _FRAME_ACTIONS:
+        index = act[1]
+        assert isinstance(index, int)
+        frame = state.network[index]
+        return (act[0], frame.src[1], frame.dst[1])
+    if act[0] == "read":
+        key = act[1]
+        assert isinstance(key, tuple)
+        return ("read", read_form(state, key), act[2])
+    return act
+
+
+def _explore_star(job: tuple[str, WorldConfig, int, bool, bool]) -> ExploreResult:
+    name, cfg, max_states, symmetry, sleep_sets = job
+    return explore(name, cfg, max_states=max_states, symmetry=symmetry, sleep_sets=sleep_sets)

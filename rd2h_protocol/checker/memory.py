@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from rd2h_protocol.checker import footprint
 from rd2h_protocol.checker.invariants import InvariantViolation
 from rd2h_protocol.checker.model import GARBAGE, Value, _Req
 from rd2h_protocol.checker.network import NetworkWorld
@@ -37,6 +38,7 @@ class MemoryWorld(NetworkWorld):
         e, d, read_id = key
         error: TransferError | None
         if outcome == "ok":
+            footprint.touch(footprint.storage_read(read.plan.session))
             error = self.execute_read(e, d, read.plan, read.start_by, read.layer)
         else:
             error = TransferError(

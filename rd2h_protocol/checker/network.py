@@ -25,6 +25,7 @@ subclass may replace with a real transport (with ``transmit`` of
 
 from __future__ import annotations
 
+from rd2h_protocol.checker import footprint
 from rd2h_protocol.checker.core import WorldCore, _reply_key
 from rd2h_protocol.checker.model import Addr
 from rd2h_protocol.wire.codec import decode
@@ -53,6 +54,7 @@ class NetworkWorld(WorldCore):
     def deliver(self, i: int) -> None:
         """Deliver in-flight frame ``i`` to its destination."""
         f = self.network.pop(i)
+        footprint.touch(footprint.take(f.src[1], f.dst[1]))
         if f.dst[0] == "D":
             e, d = self.static.conn_rank[f.dst[1]]
             peer = f.src[1].encode()
@@ -77,11 +79,15 @@ class NetworkWorld(WorldCore):
 
     def drop(self, i: int) -> None:
         """Lose in-flight frame ``i``."""
-        del self.network[i]
+        f = self.network.pop(i)
+        footprint.touch(footprint.take(f.src[1], f.dst[1]))
 
     def duplicate(self, i: int) -> None:
         """Deliver frame ``i`` twice: a copy joins the end of its connection's queue."""
-        self.network.append(self.network[i])
+        f = self.network[i]
+        footprint.touch(footprint.take(f.src[1], f.dst[1]))  # reads the head
+        footprint.touch(footprint.append(f.src[1], f.dst[1]))
+        self.network.append(f)
 
     def deliver_duplicated(self, i: int) -> None:
         """Deliver frame ``i`` and leave a copy at the end of its connection's queue: the
@@ -89,6 +95,7 @@ class NetworkWorld(WorldCore):
         (see "Duplicates made on delivery" in :mod:`~rd2h_protocol.checker.canonical`)."""
         copy = self.network[i]
         self.deliver(i)
+        footprint.touch(footprint.append(copy.src[1], copy.dst[1]))
         self.network.append(copy)
 
     def breakable(self) -> list[tuple[int, str]]:

@@ -58,6 +58,7 @@ from __future__ import annotations
 import io
 import pickle
 
+from rd2h_protocol.checker import footprint
 from rd2h_protocol.checker.clock import TimedWorld
 from rd2h_protocol.checker.invariants import InvariantViolation
 from rd2h_protocol.checker.model import Action, RequestSpec, WorldConfig, _Rank
@@ -245,6 +246,8 @@ class World(TimedWorld):
     def apply(self, action: Action) -> None:
         """Perform one action (see :meth:`actions`), spending its budget, then check."""
         kind = action[0]
+        if kind in ("advance", "kill_decode", "kill_prefill", "break"):
+            footprint.touch(footprint.EVERYTHING)
         if kind == "deliver":
             self.deliver(_int(action[1]))
         elif kind == "drop":
@@ -305,6 +308,7 @@ class World(TimedWorld):
         self.check()
 
     def _spend(self, name: str) -> None:
+        footprint.touch(footprint.BUDGETS)
         if self.budgets.get(name, 0) <= 0:
             raise ValueError(f"no {name} budget left")
         self.budgets[name] -= 1
