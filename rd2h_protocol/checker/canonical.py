@@ -24,15 +24,19 @@ about 1e-7 (:func:`fingerprint`).
 
 Shortcuts that build the same form: an int, a string, bytes, a bool or None is its own
 form (:data:`_AS_IS`), so the hot loops keep such a value as it is instead of calling
-:func:`_canon`, which would return it unchanged (while a renaming is applied they call it
-for every value, since it renames); the form of a reply or an ABORT and the seq of a
+:func:`_canon`, which would return it unchanged (while a renaming is applied they call
+it for every value, since it renames); the form of a reply or an ABORT and the seq of a
 readiness are decoded once per distinct frame payload (:data:`_REPLY_FORMS`,
 :data:`_SEQS`: a payload's bytes decide its message, and a form cached without a
 renaming is the one :func:`_reply_form` writes then); the live publications are read
 from the producer's table instead of its ``publications()`` views (the same conn and seq
-of every one). Each builds a form equal to the one built without it, so the states,
-transitions and depths of every exploration are unchanged (checked on the 13 designed
-configurations and on bounded variants, before and after).
+of every one); the explorer hands a child the forms of the endpoints the action leading
+to it did not touch, from its parent (:func:`fingerprint_reusing`: an endpoint's form is
+a function of the endpoint and the clock, and an action that touches neither keeps both;
+tested by building every such fingerprint again from scratch). Each builds a form equal
+to the one built without it, so the states, transitions and depths of every exploration
+are unchanged (checked on the 13 designed configurations and on bounded variants, before
+and after).
 
 Symmetry reduction
 ------------------
@@ -138,7 +142,7 @@ from rd2h_protocol.wire.codec import decode
 from rd2h_protocol.wire.layout import DestinationLayout, LayerLayout
 from rd2h_protocol.wire.messages import Abort, ReadDone, ReadFailed, ReadReadyBatch
 
-__all__ = ["fingerprint", "read_form"]
+__all__ = ["Endpoint", "EndpointForms", "fingerprint", "fingerprint_reusing", "read_form"]
 
 _Canon: TypeAlias = object
 
@@ -411,15 +415,29 @@ def _readiness_seq(data: bytes) -> int | None:
     return _SEQS[data]
 
 
+# The forms of endpoints known already (inherited from the state a child was made from),
+# and those built by the fingerprint under way: by id of the endpoint object.
+_KNOWN_FORMS: dict[int, _Canon] = {}
+_BUILT_FORMS: dict[int, _Canon] = {}
+
+
 def _canon_producer(prod: Any) -> _Canon:
-    live = set(prod._pubs) | set(prod._handshakes)
-    # The timer heap is lazy: only its live entries matter, in deadline order.
-    timers = tuple(sorted((t - _NOW[0], uid) for t, uid in prod._timers if uid in live))
-    return (_canon_vars(prod), timers)
+    form = _KNOWN_FORMS.get(id(prod))
+    if form is None:
+        live = set(prod._pubs) | set(prod._handshakes)
+        # The timer heap is lazy: only its live entries matter, in deadline order.
+        timers = tuple(sorted((t - _NOW[0], uid) for t, uid in prod._timers if uid in live))
+        form = (_canon_vars(prod), timers)
+    _BUILT_FORMS[id(prod)] = form
+    return form
 
 
 def _canon_consumer(cons: Any) -> _Canon:
-    return (_canon_vars(cons), _sorted([_canon(rd) for rd in cons._reads.values()]))
+    form = _KNOWN_FORMS.get(id(cons))
+    if form is None:
+        form = (_canon_vars(cons), _sorted([_canon(rd) for rd in cons._reads.values()]))
+    _BUILT_FORMS[id(cons)] = form
+    return form
 
 
 _VAR_NAMES: dict[type, tuple[frozenset[str], tuple[str, ...]]] = {}
@@ -508,11 +526,13 @@ def fingerprint(world: World, *, symmetry: bool = False) -> int:
     million states the chance that two different states collide is about 1e-7.
     """
     _NOW[0] = world.now
+    _BUILT_FORMS.clear()  # ids of this world's endpoints only
     static = world.static
     if static.renamings is None:
         static.renamings = _renamings(world)
     if not symmetry or len(static.renamings) == 1:
         return hash(_canon(world))
+    assert not _KNOWN_FORMS, "inherited forms are written without a renaming"
     global _AS_IS
     _STRUCTS_AS_DATA[0] = True
     _AS_IS = frozenset()
@@ -529,6 +549,36 @@ def fingerprint(world: World, *, symmetry: bool = False) -> int:
         _AS_IS = _ATOMIC
     assert best is not None
     return best
+
+
+#: An endpoint of a world: ``("P", p, 0)`` for Prefill rank ``p``, ``("D", e, d)`` for
+#: rank ``d`` of Decode engine ``e``.
+Endpoint: TypeAlias = tuple[str, int, int]
+EndpointForms: TypeAlias = dict[Endpoint, _Canon]
+
+
+def fingerprint_reusing(world: World, inherited: EndpointForms) -> tuple[int, EndpointForms]:
+    """:func:`fingerprint` (without symmetry) of ``world``, taking the canonical forms of
+    the endpoints in ``inherited`` as given instead of building them; with the forms of
+    all its endpoints, for its own children to inherit.
+
+    The explorer passes a child the forms of its parent's endpoints that the action
+    leading to it did not touch (see :mod:`~rd2h_protocol.checker.footprint`): an
+    endpoint's form is a function of the endpoint alone and of the clock (its times are
+    measured from now), and an action that moves the clock touches every endpoint.
+    """
+    endpoints: dict[Endpoint, object] = {
+        ("P", p, 0): prod for p, prod in enumerate(world.producers)
+    }
+    endpoints.update((("D", e, d), cons) for (e, d), cons in world.consumers.items())
+    for key, form in inherited.items():
+        _KNOWN_FORMS[id(endpoints[key])] = form
+    try:
+        h = fingerprint(world)
+        return h, {key: _BUILT_FORMS[id(obj)] for key, obj in endpoints.items()}
+    finally:
+        _KNOWN_FORMS.clear()
+        _BUILT_FORMS.clear()
 
 
 def read_form(world: World, key: tuple[int, int, int]) -> _Canon:

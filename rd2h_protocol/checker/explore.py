@@ -75,8 +75,13 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Final
 
-from rd2h_protocol.checker.canonical import fingerprint, read_form
-from rd2h_protocol.checker.footprint import Footprint, conflict, recording
+from rd2h_protocol.checker.canonical import (
+    EndpointForms,
+    fingerprint,
+    fingerprint_reusing,
+    read_form,
+)
+from rd2h_protocol.checker.footprint import EVERYTHING, Footprint, agent, conflict, recording
 from rd2h_protocol.checker.invariants import InvariantViolation
 from rd2h_protocol.checker.model import Action, WorldConfig
 from rd2h_protocol.checker.snapshot import load_world
@@ -214,6 +219,9 @@ def explore(
     # The sleep set of every state found (the actions its expansion skips: see "Sleep
     # sets" above), by stable key, with the footprint each had when the search took it.
     sleep: dict[int, dict[Action, Footprint]] = {fp: {}}
+    # The canonical forms of the endpoints of every state not expanded yet, for its
+    # children to inherit (see canonical.fingerprint_reusing).
+    forms: dict[int, EndpointForms] = {fp: {} if symmetry else fingerprint_reusing(root, {})[1]}
     expanded: set[int] = set()
     # Expanded states found again with actions of their sleep set awake: those actions,
     # and the sleep set to take them with.
@@ -231,6 +239,9 @@ def explore(
         ``acts`` not in ``asleep`` (``only``: just those of these keys); False once the
         search must stop."""
         keys = [_key(state, act) for act in acts] if sleep_sets else acts
+        parent_forms = forms.pop(fp, None)
+        if parent_forms is None:  # taken again (reopened): its forms were let go
+            parent_forms = {} if symmetry else fingerprint_reusing(state, {})[1]
         todo = [n for n, k in enumerate(keys) if (k not in asleep if only is None else k in only)]
         taken_before: dict[Action, Footprint] = dict(asleep)
         for n in todo:
@@ -248,10 +259,20 @@ def explore(
                 crash = InvariantViolation("CRASH", f"{type(exc).__name__}: {exc}")
                 stop = not result.record(crash, partial(trace_to, fp, act))
             else:
-                child_fp = fingerprint(child, symmetry=symmetry)
+                taken = frozenset(touched)
+                child_forms: EndpointForms = {}
+                if symmetry:
+                    child_fp = fingerprint(child, symmetry=True)
+                else:
+                    # The forms of the endpoints the action did not touch are the parent's.
+                    inherited = {
+                        k: f
+                        for k, f in parent_forms.items()
+                        if EVERYTHING not in taken and agent(k[0], k[1]) not in taken
+                    }
+                    child_fp, child_forms = fingerprint_reusing(child, inherited)
                 child_sleep: dict[Action, Footprint] = {}
                 if sleep_sets:
-                    taken = frozenset(touched)
                     child_sleep = {k: f for k, f in taken_before.items() if not conflict(taken, f)}
                     taken_before[keys[n]] = taken
                 if child_fp in parents:
@@ -260,6 +281,7 @@ def explore(
                     continue
                 parents[child_fp] = (fp, act)
                 sleep[child_fp] = child_sleep
+                forms[child_fp] = child_forms
                 successors.append((child_fp, child.snapshot()))
                 if len(parents) >= max_states:
                     result.complete = False

@@ -1,12 +1,14 @@
 """What one action of the model world touches: its footprint, and when two commute.
 
 The explorer's partial-order reduction (sleep sets, see
-:mod:`~rd2h_protocol.checker.explore`) needs to know when two actions enabled in the same
-state are *independent*: neither disables the other, and taking them in either order
-ends in the same state. This module answers that from what each action did when the
-explorer took it: while :func:`recording` is active, the world notes every part of the
-state an action reads or writes (:func:`touch`), and :func:`conflict` says whether two
-such footprints may interfere.
+:mod:`~rd2h_protocol.checker.explore`) needs to know when two actions enabled in the
+same state are *independent*: neither disables the other, and taking them in either
+order ends in the same state. Its fingerprints need to know which endpoints an action
+left alone (their canonical forms are the parent's: see
+:func:`~rd2h_protocol.checker.canonical.fingerprint_reusing`). This module answers that
+from what each action did when the explorer took it: while :func:`recording` is active,
+the world notes every part of the state an action reads or writes (:func:`touch`), and
+:func:`conflict` says whether two such footprints may interfere.
 
 The parts of the state, and who touches them
 --------------------------------------------

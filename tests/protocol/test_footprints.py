@@ -1,6 +1,8 @@
-"""The explorer's partial-order reduction (sleep sets): what the world notes of each action,
-when two footprints conflict, that actions called independent do commute in the real
-world, and that the reduction finds every state the plain search finds."""
+"""What the explorer does with the footprints of actions: its partial-order reduction (sleep
+sets) and its reuse of the canonical forms of endpoints an action did not touch. What the
+world notes of each action, when two footprints conflict, that actions called independent
+do commute in the real world, that the reduction finds every state the plain search
+finds, and that reused forms give the fingerprints built from scratch."""
 
 from __future__ import annotations
 
@@ -9,8 +11,9 @@ from dataclasses import replace
 
 import pytest
 
-from rd2h_protocol.checker import footprint
-from rd2h_protocol.checker.canonical import fingerprint
+from rd2h_protocol.checker import canonical, footprint
+from rd2h_protocol.checker import explore as explorer
+from rd2h_protocol.checker.canonical import EndpointForms, fingerprint
 from rd2h_protocol.checker.configs import CONFIGS
 from rd2h_protocol.checker.explore import _key, explore
 from rd2h_protocol.checker.model import Action
@@ -199,3 +202,26 @@ def test_updating_a_waiting_completion_with_no_reports_changes_nothing() -> None
         result = completion.update([RankReport(), RankReport()], lambda ext: ext, now)
         assert (result.finished, result.load_errors, result.dropped) == ((), frozenset(), ())
         assert completion.pending() == before
+
+
+# -- forms of untouched endpoints ----------------------------------------------------------
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", ["tp2-d2", "reconnect+kill", "two-engines+dup", "parking+abort"])
+def test_reused_endpoint_forms_give_the_fingerprint_built_from_scratch(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    built = canonical.fingerprint_reusing
+    checked = []
+
+    def checking(world: World, inherited: EndpointForms) -> tuple[int, EndpointForms]:
+        h, forms = built(world, inherited)
+        assert h == fingerprint(world), f"forms {sorted(inherited)} inherited wrongly"
+        checked.append(len(inherited))
+        return h, forms
+
+    monkeypatch.setattr(explorer, "fingerprint_reusing", checking)
+    explore(name, CONFIGS[name], max_states=1500)
+    # Children inherit often (an action touches one agent; time, kills and breaks all).
+    assert len(checked) > 1500 and sum(1 for n in checked if n) > len(checked) // 4
