@@ -209,6 +209,20 @@ class ManagedProcess:
             self.popen.wait(timeout=10)
         _LIVE.pop(self.pid, None)
 
+    def lower_cpu_priority(self, nice: int) -> None:
+        """Run the child's whole session (process group) at CPU niceness ``nice`` (>= 0).
+
+        Where the kernel groups CPU time by session (autogroup scheduling, the default of
+        most distributions), sessions share the CPUs first and a process's own nice only
+        weighs inside its session: the session's autogroup nice is what lets other
+        servers run. Both are set, for the processes that exist now; best effort (a
+        kernel without autogroups has no ``/proc/<pid>/autogroup``).
+        """
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PGRP, self.pid, nice)
+        with contextlib.suppress(OSError):
+            Path(f"/proc/{self.pid}/autogroup").write_text(str(nice))
+
     def log_causes(self, lines: int = 3) -> list[str]:
         """The last distinct exception lines (``...Error: message``) of the log."""
         try:
@@ -258,6 +272,8 @@ class ServerSpec:
     ``extra_config`` is merged into ``kv_connector_extra_config``, ``transfer_config``
     into the ``--kv-transfer-config`` object itself (e.g. ``kv_load_failure_policy``);
     ``env`` is added to the server's environment (e.g. :data:`IN_PROCESS_WORKER`).
+    ``ready_nice`` is the CPU niceness of the server's processes once it is ready (0 leaves
+    it; see :meth:`ManagedProcess.lower_cpu_priority`).
     """
 
     model: TinyModel
@@ -272,6 +288,7 @@ class ServerSpec:
     transfer_config: Mapping[str, Any] = field(default_factory=dict)
     env: Mapping[str, str] = field(default_factory=dict)
     extra_args: tuple[str, ...] = ()
+    ready_nice: int = 0
 
 
 def kv_transfer_config(spec: ServerSpec, kv_port: int | None) -> dict[str, Any] | None:
@@ -344,7 +361,7 @@ class VllmServer(ManagedProcess):
         """Wait for ``/health``; records the start-up time in ``ready_s``."""
         if not self.ready_s:
             self.wait_http(self.url + "/health", self.started_at + timeout_s)
-            self.ready_s = time.monotonic() - self.started_at
+            self._became_ready()
 
     def probe(self) -> bool:
         """One quick ``/health`` check without waiting; records ``ready_s`` on success."""
@@ -352,10 +369,16 @@ class VllmServer(ManagedProcess):
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=1) as resp:
                     if resp.status == 200:
-                        self.ready_s = time.monotonic() - self.started_at
+                        self._became_ready()
             except (urllib.error.URLError, OSError):
                 pass
         return bool(self.ready_s)
+
+    def _became_ready(self) -> None:
+        """Record the start-up time; from now on run at the spec's ``ready_nice``."""
+        self.ready_s = time.monotonic() - self.started_at
+        if self.spec.ready_nice:
+            self.lower_cpu_priority(self.spec.ready_nice)
 
 
 def start_server(

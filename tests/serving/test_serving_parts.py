@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +13,12 @@ import pytest
 from rd2h_runtime.tools import demo
 from rd2h_vllm.serving.client import completion_body, parse_metrics
 from rd2h_vllm.serving.model import build_model, make_prompts
-from rd2h_vllm.serving.processes import ServerSpec, kv_transfer_config, server_command
+from rd2h_vllm.serving.processes import (
+    ManagedProcess,
+    ServerSpec,
+    kv_transfer_config,
+    server_command,
+)
 
 
 @pytest.mark.parametrize("kind", ["llama", "deepseek"])
@@ -99,3 +105,17 @@ def test_rd2h_runtime_does_not_import_rd2h_vllm() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_lower_cpu_priority_nices_the_child_and_its_session(tmp_path: Path) -> None:
+    child = ManagedProcess(
+        "sleeper", [sys.executable, "-c", "import time; time.sleep(60)"], tmp_path / "s.log"
+    )
+    try:
+        child.lower_cpu_priority(7)
+        assert os.getpriority(os.PRIO_PROCESS, child.pid) == 7
+        autogroup = Path(f"/proc/{child.pid}/autogroup")
+        if autogroup.exists():  # kernels that share CPU time by session first
+            assert autogroup.read_text().split()[-2:] == ["nice", "7"]
+    finally:
+        child.kill()
