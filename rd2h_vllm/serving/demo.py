@@ -32,7 +32,12 @@ from rd2h_vllm.serving.client import (
 )
 from rd2h_vllm.serving.cluster import PDCluster
 from rd2h_vllm.serving.model import MODEL_KINDS, build_model, make_prompts
-from rd2h_vllm.serving.processes import BACKENDS, ServerError, ServerSpec
+from rd2h_vllm.serving.processes import (
+    BACKENDS,
+    POLLING_PREFILL_NICE,
+    ServerError,
+    ServerSpec,
+)
 
 MIB = 1 << 20
 #: Single-instance runs carry this salt, so their blocks never serve the P/D runs.
@@ -104,7 +109,9 @@ def run(args: argparse.Namespace, log_dir: Path, console: Any) -> VllmDemoReport
         prompts=args.prompts,
         max_tokens=args.max_tokens,
     )
-    prefill = ServerSpec(model, "prefill", args.backend, tp=args.prefill_tp)
+    # A Prefill at TP > 1 polls on every CPU while it waits for Decode: niced once ready.
+    nice = POLLING_PREFILL_NICE if args.prefill_tp > 1 else 0
+    prefill = ServerSpec(model, "prefill", args.backend, tp=args.prefill_tp, ready_nice=nice)
     decode = ServerSpec(model, "decode", args.backend)
     cluster = PDCluster("demo", [prefill], [decode], log_dir, start_timeout_s=args.timeout)
     try:

@@ -263,6 +263,15 @@ class ManagedProcess:
             time.sleep(0.25)
 
 
+#: CPU niceness of a Prefill at TP > 1 sharing a CPU host with its Decode, once it is
+#: ready (:attr:`ServerSpec.ready_nice`). While its requests wait for Decode's reads, vLLM
+#: keeps stepping: its engine core and workers poll for the next step (the workers spin on
+#: sched_yield). On two cores a TP 2 Prefill took both for up to 17 s (``perf``); the
+#: Decode beside it got no CPU, missed its handshake and heartbeats, and failed the
+#: request (HTTP 500). Niced, it leaves Decode the CPU it needs.
+POLLING_PREFILL_NICE: Final = 10
+
+
 @dataclass(frozen=True)
 class ServerSpec:
     """One vLLM OpenAI server to start.

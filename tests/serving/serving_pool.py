@@ -25,7 +25,13 @@ from typing import Final
 
 from rd2h_vllm.serving.cluster import PDCluster
 from rd2h_vllm.serving.model import ModelKind, TinyModel
-from rd2h_vllm.serving.processes import IN_PROCESS_WORKER, Backend, ServerSpec, VllmServer
+from rd2h_vllm.serving.processes import (
+    IN_PROCESS_WORKER,
+    POLLING_PREFILL_NICE,
+    Backend,
+    ServerSpec,
+    VllmServer,
+)
 
 Env = Mapping[str, str]
 
@@ -37,12 +43,6 @@ START_TIMEOUT_S: Final = 360.0
 PREFILL_STEP_TOKENS: Final = 32
 #: Decode gives up on a transfer after this long (the default is 120 s).
 KV_LOAD_TIMEOUT_S: Final = 20.0
-#: CPU niceness of a TP 2 Prefill once it is ready. While its requests wait for Decode's
-#: reads, vLLM keeps stepping and its engine core and two workers poll for the next step
-#: (the workers spin on sched_yield): on two cores they took both for up to 17 s
-#: (``perf``), and the Decode next to them got no CPU at all, missed its handshake and
-#: heartbeats and failed the request (HTTP 500). Niced, it leaves Decode the CPU it needs.
-TP2_PREFILL_NICE: Final = 10
 #: Transfer figures the tests recorded (printed at the end of the run).
 FIGURES: list[str] = []
 
@@ -110,7 +110,7 @@ def server_specs(models: Callable[[ModelKind], TinyModel]) -> dict[str, Callable
     # MLA: every Prefill TP rank holds the whole latent cache, so Prefill TP 2 -> Decode
     # TP 1 needs no head split (GQA's KV heads split over Prefill ranks is refused).
     specs["deepseek-nixl-tp2/prefill"] = lambda: ServerSpec(
-        models("deepseek"), "prefill", "nixl", tp=2, ready_nice=TP2_PREFILL_NICE
+        models("deepseek"), "prefill", "nixl", tp=2, ready_nice=POLLING_PREFILL_NICE
     )
     return specs
 

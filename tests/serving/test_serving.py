@@ -267,7 +267,7 @@ class TestPrefillTp2(TokenChecks):
     """Prefill TP 2 -> Decode TP 1 (DeepSeek, MLA; the Decode of deepseek-nixl). Fewer,
     shorter prompts: TP 2 on the CPU build takes seconds per completion on two cores.
 
-    The Prefill runs niced once ready (serving_pool.TP2_PREFILL_NICE): at full priority its
+    The Prefill runs niced once ready (processes.POLLING_PREFILL_NICE): at full priority its
     three polling processes starved the Decode beside them of CPU for seconds, and about
     half of the runs on two cores failed a request with HTTP 500.
     """
