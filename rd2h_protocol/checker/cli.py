@@ -23,7 +23,7 @@ from rd2h_protocol.checker.configs import (
     VARIANT_STATES,
     max_states_of,
 )
-from rd2h_protocol.checker.explore import ExploreResult, _explore_star
+from rd2h_protocol.checker.explore import ExploreResult, Options, _explore_star
 from rd2h_protocol.checker.model import WorldConfig
 
 __all__ = ["main"]
@@ -70,25 +70,24 @@ def _report_reduction(reduction: str, reduced: ExploreResult, plain: ExploreResu
 
 
 # The reductions --compare-reduction measures (see rd2h_protocol.checker.canonical and,
-# for sleep sets, rd2h_protocol.checker.explore).
-_REDUCTIONS = ("symmetry", "duplicates", "sleep-sets")
+# for sleep sets and inherited forms, rd2h_protocol.checker.explore).
+_REDUCTIONS = ("symmetry", "duplicates", "sleep-sets", "inherited-forms")
 
 
 def _variants(
-    cfg: WorldConfig, symmetry: bool, sleep_sets: bool, compare: str | None
-) -> list[tuple[WorldConfig, bool, bool]]:
-    """How to explore ``cfg`` (config, symmetry, sleep sets): as asked, or (``compare``)
-    with that reduction, then without."""
-    if compare == "symmetry":
-        return [(cfg, True, sleep_sets), (cfg, False, sleep_sets)]
-    if compare == "sleep-sets":
-        return [(cfg, symmetry, True), (cfg, symmetry, False)]
+    cfg: WorldConfig, options: Options, compare: str | None
+) -> list[tuple[WorldConfig, Options]]:
+    """How to explore ``cfg``: as asked, or (``compare``) with that reduction, then
+    without."""
     if compare == "duplicates":
         return [
-            (replace(cfg, duplicate_on_delivery=True), symmetry, sleep_sets),
-            (replace(cfg, duplicate_on_delivery=False), symmetry, sleep_sets),
+            (replace(cfg, duplicate_on_delivery=True), options),
+            (replace(cfg, duplicate_on_delivery=False), options),
         ]
-    return [(cfg, symmetry, sleep_sets)]
+    if compare is not None:
+        field = compare.replace("-", "_")
+        return [(cfg, replace(options, **{field: True})), (cfg, replace(options, **{field: False}))]
+    return [(cfg, options)]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -133,6 +132,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="merge states that differ by a permutation of interchangeable requests",
     )
     parser.add_argument(
+        "--no-inherited-forms",
+        action="store_true",
+        help="build the canonical form of every endpoint of every state (the same states, "
+        "more CPU)",
+    )
+    parser.add_argument(
         "--no-sleep-sets",
         action="store_true",
         help="take every enabled action in every state (no partial-order reduction; the "
@@ -161,12 +166,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if overrides:
         cfgs = [replace(c, budgets=tuple({**dict(c.budgets), **overrides}.items())) for c in cfgs]
     bounds = [args.max_states or max_states_of(name) for name in names]
+    asked = Options(
+        symmetry=args.symmetry,
+        sleep_sets=not args.no_sleep_sets,
+        inherited_forms=not args.no_inherited_forms,
+    )
     work = [
-        (name, variant, bound, symmetry, sleep_sets)
+        (name, variant, bound, options)
         for name, cfg, bound in zip(names, cfgs, bounds, strict=True)
-        for variant, symmetry, sleep_sets in _variants(
-            cfg, args.symmetry, not args.no_sleep_sets, args.compare_reduction
-        )
+        for variant, options in _variants(cfg, asked, args.compare_reduction)
     ]
     jobs = min(len(work), args.jobs or os.cpu_count() or 1)
     total_states = 0

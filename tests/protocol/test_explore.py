@@ -351,11 +351,14 @@ def test_requests_that_differ_are_not_interchangeable() -> None:
     assert fingerprint(first, symmetry=True) != fingerprint(second, symmetry=True)
 
 
-def test_compare_reduction_prints_the_ratios(capsys: pytest.CaptureFixture[str]) -> None:
-    args = ["--config", "reopen", "--compare-reduction", "symmetry", "--max-states", "2000"]
+@pytest.mark.parametrize("reduction", ["symmetry", "sleep-sets", "inherited-forms"])
+def test_compare_reduction_prints_the_ratios(
+    reduction: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["--config", "reopen", "--compare-reduction", reduction, "--max-states", "2000"]
     assert main([*args, "--jobs", "1"]) == 0
-    (line,) = [x for x in capsys.readouterr().out.splitlines() if "symmetry reduction" in x]
-    assert "states x" in line and "CPU time x" in line
+    (line,) = [x for x in capsys.readouterr().out.splitlines() if f"{reduction} reduction" in x]
+    assert "states x" in line and "transitions x" in line and "CPU time x" in line
 
 
 def test_command_exits_1_and_prints_the_trace_of_a_planted_bug() -> None:
