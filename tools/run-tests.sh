@@ -48,11 +48,12 @@ export UCX_MODULES="${UCX_MODULES:-^ib}"
 # break where designed), and each again with every fault of issue 10 it lacks (a dup, a
 # kill, an abort: 32 NAME+FAULT variants, tp2-d2 included) breadth first up to
 # VARIANT_STATES (40 000) states each: every interleaving up to the depth reached (11 to
-# 35 steps where bounded; 14 variants complete below it). Sleep sets and inherited forms
-# (rd2h_protocol.checker.explore) cut its CPU time by 1.43 at the former bound of 30 000
-# (21.9 -> 15.3 min), spent on the higher bound. Budget: at most 20 min of wall time on a
-# 2-core machine, 1 115 000 states; measured: 1 112 337 states, 18.8 min of CPU, 13 min
-# 47 s of wall time on 2 cores shared with other jobs (137 % CPU), 560 MB of RSS.
+# 35 steps where bounded; 14 variants complete below it). At the former bound of 30 000
+# it took 15.3 min of CPU here (21.9 min in an earlier session, on a busier machine); the
+# sleep sets and inherited forms of rd2h_protocol.checker.explore, measured in one run
+# each, save 8 % to 13 % of the CPU. Budget: at most 20 min of wall time on a 2-core
+# machine, 1 115 000 states; measured: 1 112 337 states, 18.8 min of CPU, 13 min 47 s of
+# wall time on 2 cores shared with other jobs (137 % CPU), 560 MB of RSS.
 # tests/protocol explores a bounded number of states per configuration instead.
 # Only for the whole suite, not for a selection.
 if [ $# -eq 0 ]; then
