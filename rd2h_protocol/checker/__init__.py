@@ -30,6 +30,8 @@ The modules, in the order they build on each other:
   (:class:`~rd2h_protocol.checker.model.WorldConfig`, requests, fault budgets), frames,
   block ids and the memory layout;
 * :mod:`~rd2h_protocol.checker.snapshot`: a world as compact, mergeable bytes;
+* :mod:`~rd2h_protocol.checker.footprint`: what each action of a world reads and writes,
+  and when two actions commute (for the explorer's sleep sets and inherited forms);
 * :mod:`~rd2h_protocol.checker.world`: :class:`~rd2h_protocol.checker.world.World`,
   the endpoints wired to a simulated network, memory and runtime, built in layers:
   :mod:`~rd2h_protocol.checker.core` (state, endpoints, outputs and their checks),
@@ -39,7 +41,7 @@ The modules, in the order they build on each other:
 * :mod:`~rd2h_protocol.checker.canonical`: state fingerprints, and the reductions they
   apply (with the argument why each is sound);
 * :mod:`~rd2h_protocol.checker.configs`: the explored configurations and their budgets;
-* :mod:`~rd2h_protocol.checker.explore`: the search;
+* :mod:`~rd2h_protocol.checker.explore`: the search, with its partial-order reduction;
 * :mod:`~rd2h_protocol.checker.cli`: ``python -m rd2h_protocol.checker``;
 * :mod:`~rd2h_protocol.checker.stateful`: the hypothesis state machine (imports
   hypothesis).
