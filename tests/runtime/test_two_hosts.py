@@ -374,8 +374,16 @@ def test_check_read_across_namespaces(backend: str, hosts: TwoHosts) -> None:
             lines.put(line)
         lines.put(None)
 
-    threading.Thread(target=pump, daemon=True).start()
+    pumping = threading.Thread(target=pump, daemon=True)
+    pumping.start()
+
+    def both() -> str:
+        """Both sides' whole output (a list would be cut short in a failure report)."""
+        pumping.join(5)  # Prefill's last lines
+        return "\n".join(["Prefill:", *p_out, "Decode:", d_out])
+
     decode: subprocess.Popen[str] | None = None
+    d_out = ""
     try:
         endpoint = ""
         deadline = time.monotonic() + 40
@@ -391,7 +399,7 @@ def test_check_read_across_namespaces(backend: str, hosts: TwoHosts) -> None:
             "--role", "decode", "--host", hosts.prefill_ip, "--port", port,
         )  # fmt: skip
         d_out, _ = decode.communicate(timeout=45)
-        assert prefill.wait(15) == 0, p_out
+        assert prefill.wait(15) == 0, both()
     finally:
         for proc in (decode, prefill):
             if proc is not None and proc.poll() is None:
@@ -400,9 +408,9 @@ def test_check_read_across_namespaces(backend: str, hosts: TwoHosts) -> None:
     d_lines = d_out.strip().splitlines()
     shown = [line for line in d_lines if not line.startswith("RESULT ")][-3:]
     print("\n" + "\n".join(f"{backend} check-read, Decode: {line}" for line in shown))
-    assert decode.returncode == 0, d_out
-    assert d_lines[-1].startswith(f"PASS: {backend}: {size} bytes verified"), d_out
-    assert p_out[-1].startswith("PASS: Decode reported"), p_out
+    assert decode.returncode == 0, both()
+    assert d_lines[-1].startswith(f"PASS: {backend}: {size} bytes verified"), both()
+    assert p_out[-1].startswith("PASS: Decode reported"), both()
     assert rx_bytes(hosts) - rx_before >= size, "the check's bytes did not cross the link"
 
 
