@@ -192,7 +192,7 @@ def explore(
         result.cpu_seconds = time.process_time() - cpu_started
         return result
     data = root_data = root.snapshot()
-    fp = fingerprint(root, symmetry=symmetry)
+    fp, root_forms = _fingerprint_of(root, {}, symmetry)
     # Each state's parent and the action that reached it first; the labels of a trace are
     # written only for the traces printed (a label per transition cost 2 % of the search).
     parents: dict[int, tuple[int, Action] | None] = {fp: None}
@@ -209,28 +209,24 @@ def explore(
         path.reverse()
         return path
 
-    def replay(node: int) -> World:
-        """State ``node`` as the search held it (each step a snapshot read back)."""
+    def replay(node: int, labels: list[str] | None = None) -> World:
+        """State ``node`` as the search held it (each step a snapshot read back), from the
+        root; the label of each action taken goes to ``labels``."""
         state: World = load_world(root_data)
         for act in path_to(node):
+            if labels is not None:
+                labels.append(state.describe(act))
             state.apply(act)
             state = load_world(state.snapshot())
         return state
 
     def trace_to(node: int, last: Action | None = None, end: str | None = None) -> list[str]:
         """The labels of the path to ``node`` (and of ``last``, taken from there; then
-        ``end``), replayed from the root: each state as the search held it, a snapshot
-        read back."""
-        path = path_to(node)
-        if last is not None:
-            path.append(last)
+        ``end``), replayed from the root."""
         labels: list[str] = []
-        state: World = load_world(root_data)
-        for n, act in enumerate(path):
-            labels.append(state.describe(act))
-            if n < len(path) - 1:
-                state.apply(act)
-                state = load_world(state.snapshot())
+        state = replay(node, labels)
+        if last is not None:
+            labels.append(state.describe(last))
         return labels if end is None else [*labels, end]
 
     # The sleep set of every state found (the actions its expansion skips: see "Sleep
@@ -238,7 +234,7 @@ def explore(
     sleep: dict[int, dict[Action, Footprint]] = {fp: {}}
     # The canonical forms of the endpoints of every state not expanded yet, for its
     # children to inherit (see canonical.fingerprint_reusing).
-    forms: dict[int, EndpointForms] = {fp: {} if symmetry else fingerprint_reusing(root, {})[1]}
+    forms: dict[int, EndpointForms] = {fp: root_forms}
     expanded: set[int] = set()
     # Expanded states found again with actions of their sleep set awake: those actions,
     # and the sleep set to take them with.
@@ -258,7 +254,7 @@ def explore(
         keys = [_key(state, act) for act in acts] if sleep_sets else acts
         parent_forms = forms.pop(fp, None)
         if parent_forms is None:  # taken again (reopened): its forms were let go
-            parent_forms = {} if symmetry else fingerprint_reusing(state, {})[1]
+            parent_forms = _fingerprint_of(state, {}, symmetry)[1]
         todo = [n for n, k in enumerate(keys) if (k not in asleep if only is None else k in only)]
         taken_before: dict[Action, Footprint] = dict(asleep)
         for n in todo:
@@ -277,19 +273,13 @@ def explore(
                 stop = not result.record(crash, partial(trace_to, fp, act))
             else:
                 taken = frozenset(touched)
-                child_forms: EndpointForms = {}
-                if symmetry:
-                    child_fp = fingerprint(child, symmetry=True)
-                else:
-                    # The forms of the endpoints the action did not touch are the parent's.
-                    inherited = {
-                        k: f
-                        for k, f in parent_forms.items()
-                        if inherited_forms
-                        and EVERYTHING not in taken
-                        and agent(k[0], k[1]) not in taken
-                    }
-                    child_fp, child_forms = fingerprint_reusing(child, inherited)
+                # The forms of the endpoints the action did not touch are the parent's.
+                inherited = (
+                    {k: f for k, f in parent_forms.items() if agent(k[0], k[1]) not in taken}
+                    if inherited_forms and EVERYTHING not in taken
+                    else {}
+                )
+                child_fp, child_forms = _fingerprint_of(child, inherited, symmetry)
                 child_sleep: dict[Action, Footprint] = {}
                 if sleep_sets:
                     child_sleep = {k: f for k, f in taken_before.items() if not conflict(taken, f)}
@@ -368,6 +358,16 @@ def explore(
     result.seconds = time.perf_counter() - started
     result.cpu_seconds = time.process_time() - cpu_started
     return result
+
+
+def _fingerprint_of(
+    state: World, inherited: EndpointForms, symmetry: bool
+) -> tuple[int, EndpointForms]:
+    """``state``'s fingerprint, and its endpoints' forms for its children to inherit (none
+    with ``symmetry``: its forms are written under a renaming)."""
+    if symmetry:
+        return fingerprint(state, symmetry=True), {}
+    return fingerprint_reusing(state, inherited)
 
 
 _FRAME_ACTIONS: Final = frozenset({"deliver", "drop", "lose", "dup"})
