@@ -310,15 +310,16 @@ def kv_transfer_config(spec: ServerSpec, kv_port: int | None) -> dict[str, Any] 
         "kv_role": "kv_consumer" if spec.role == "decode" else "kv_producer",
         "kv_connector_extra_config": extra,
     }
-    if spec.role == "decode":
+    if kv_port is not None:
+        # Decode: Prefill's control connections (Decode-first); Prefill: Decode's
+        # introductions (Prefill-first, behind a standard router). kv_port + TP rank each.
         config["kv_port"] = kv_port
     config.update(spec.transfer_config)
     return config
 
 
 def server_command(spec: ServerSpec, port: int, kv_port: int | None = None) -> list[str]:
-    """The command line of ``spec``'s server on ``port`` (Decode: control ports from
-    ``kv_port``)."""
+    """The command line of ``spec``'s server on ``port`` (RD2H's ports from ``kv_port``)."""
     cmd = [
         sys.executable,
         "-m",
@@ -358,7 +359,7 @@ class VllmServer(ManagedProcess):
     def __init__(self, spec: ServerSpec, log_dir: Path, name: str | None = None) -> None:
         self.spec = spec
         self.port = free_port()
-        self.kv_port = free_port(spec.tp) if spec.role == "decode" else None
+        self.kv_port = free_port(spec.tp) if spec.role != "plain" else None
         self.url = f"http://{HOST}:{self.port}"
         self.started_at = time.monotonic()
         self.ready_s = 0.0
