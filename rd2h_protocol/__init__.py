@@ -7,6 +7,7 @@ configurations, their inputs and outputs (:mod:`rd2h_protocol.events`), the mess
 codec, and the errors. specs/api.md shows how to drive an endpoint.
 """
 
+from rd2h_protocol.claim import Claim, ClaimAnswer, KeptSource
 from rd2h_protocol.completion import CrossRankCompletion, RankReport
 from rd2h_protocol.consumer import ConsumerConfig, ConsumerEndpoint, ConsumerStats
 from rd2h_protocol.errors import (
@@ -25,6 +26,7 @@ from rd2h_protocol.errors import (
 )
 from rd2h_protocol.events import (
     Chunk,
+    ClaimAnswered,
     Connect,
     ConnectionView,
     ConsumerOutput,
@@ -72,6 +74,9 @@ __all__ = [
     "Abort",
     "Ack",
     "Chunk",
+    "Claim",
+    "ClaimAnswer",
+    "ClaimAnswered",
     "ComponentAddrs",
     "ComponentDest",
     "ConfigError",
@@ -89,6 +94,7 @@ __all__ = [
     "FailedRequest",
     "FrameTooLarge",
     "GateOpened",
+    "KeptSource",
     "LayerLayout",
     "LayerReplied",
     "LayoutMismatch",

@@ -17,7 +17,8 @@ Prefill endpoint outputs (:data:`ProducerOutput`):
 * :class:`Send` -- encode the message and send it on the connection;
 * :class:`GateOpened` -- a storage slot may be written again: wake the compute path;
 * :class:`RequestFinished` -- the request is over, its source blocks may be freed;
-* :class:`LayerReplied` -- a layer's reply arrived (a measurement, for metrics).
+* :class:`LayerReplied` -- a layer's reply arrived (a measurement, for metrics);
+* :class:`ClaimAnswered` -- answer a Decode's claim of a kept request (Prefill-first).
 
 Decode endpoint outputs (:data:`ConsumerOutput`):
 
@@ -42,6 +43,7 @@ from rd2h_protocol.wire.messages import Abort, Message
 
 __all__ = [
     "Chunk",
+    "ClaimAnswered",
     "Connect",
     "ConnectionView",
     "ConsumerOutput",
@@ -148,8 +150,23 @@ class LayerReplied:
     ok: bool
 
 
+@dataclass(frozen=True, slots=True)
+class ClaimAnswered:
+    """The answer to a Decode's claim of kept request ``ext_req_id`` (Prefill-first).
+
+    ``ok``: its layers are being published to that Decode; otherwise ``code`` and
+    ``message`` say why not (unknown or no longer kept, claimed already, a Decode this
+    Prefill cannot serve), and the Decode fails its request.
+    """
+
+    ext_req_id: str
+    ok: bool
+    code: ErrorCode | None
+    message: str
+
+
 ProducerOutput: TypeAlias = (
-    Connect | Disconnect | Send | RequestFinished | GateOpened | LayerReplied
+    Connect | Disconnect | Send | RequestFinished | GateOpened | LayerReplied | ClaimAnswered
 )
 
 

@@ -118,6 +118,15 @@ GUARDS: Final[dict[str, Guard]] = {
     "lease_expired": Guard(
         "its lease ran out already (it is held)", "ProducerEndpoint.connection_lost"
     ),
+    # kept request (Prefill-first)
+    "claim_usable": Guard(
+        "the claiming Decode passes the topology rules and is not a known v1 peer",
+        "ProducerEndpoint.claim",
+    ),
+    "claim_unusable": Guard(
+        "the claiming Decode's topology is refused, or it speaks only v1 (no Prefill-first flow)",
+        "ProducerEndpoint.claim",
+    ),
     "lease_left": Guard(
         "some of its lease is left (a live one past it is not resent)",
         "ProducerEndpoint._resend",
@@ -509,6 +518,7 @@ R_LOCAL_FAILURE: Final = "LOCAL_FAILURE"
 R_LOCAL_ABORT: Final = "LOCAL_ABORT"
 R_RECV_ABORT: Final = "RECV_ABORT"
 R_LOCAL_DRAINED: Final = "LOCAL_DRAINED"
+R_LOCAL_CLAIMED: Final = "LOCAL_CLAIMED"
 
 EFFECT_SCHEDULE: Final = "schedule"
 EFFECT_IGNORE: Final = "ignore"
@@ -516,6 +526,7 @@ EFFECT_RECORD_FAILURE: Final = "record_failure"
 EFFECT_SEND_ABORT: Final = "send_abort"
 EFFECT_STOP: Final = "stop"
 EFFECT_FINISH: Final = "finish"
+EFFECT_SCHEDULE_CLAIMED: Final = "schedule_claimed"
 
 #: Request states in which its blocks are still published.
 REQ_PUBLISHING: Final = frozenset({REQ_SENDING, REQ_FINAL_SCHEDULED})
@@ -555,6 +566,14 @@ PREFILL_REQUEST: Final = MachineSpec(
             "source": [REQ_REGISTERED, REQ_SENDING],
             "dest": REQ_FINAL_SCHEDULED,
             "effect": EFFECT_SCHEDULE,
+        },
+        # Prefill-first: a kept request claimed by its Decode is registered and its whole
+        # KV scheduled at once, outside any compute step (it was computed already).
+        {
+            "trigger": R_LOCAL_CLAIMED,
+            "source": REQ_REGISTERED,
+            "dest": REQ_FINAL_SCHEDULED,
+            "effect": EFFECT_SCHEDULE_CLAIMED,
         },
         # The scheduler does not know we stopped; its chunks for an ending request are moot.
         *stay(R_LOCAL_CHUNK, _REQ_ENDING, effect=EFFECT_IGNORE),
@@ -614,6 +633,64 @@ PREFILL_REQUEST: Final = MachineSpec(
             "dest": REQ_ABORTED,
             "conditions": "none_outstanding",
             "effect": EFFECT_FINISH,
+        },
+    ),
+)
+
+# -- kept request (Prefill-first) -----------------------------------------------------------
+
+KEPT_WAITING: Final = "waiting"
+KEPT_CLAIMED: Final = "claimed"
+KEPT_DELIVERED: Final = "delivered"
+KEPT_UNCLAIMED: Final = "unclaimed"
+
+K_RECV_CLAIM: Final = "RECV_CLAIM"
+K_RECV_CLAIM_UNUSABLE: Final = "RECV_CLAIM_UNUSABLE"
+K_LOCAL_FINISHED: Final = "LOCAL_FINISHED"
+K_TIMER_CLAIM_EXPIRED: Final = "TIMER_CLAIM_EXPIRED"
+
+EFFECT_PUBLISH_KEPT: Final = "publish_kept"
+EFFECT_REFUSE_CLAIM: Final = "refuse_claim"
+EFFECT_RELEASE_UNCLAIMED: Final = "release_unclaimed"
+
+KEPT_REQUEST: Final = MachineSpec(
+    name="kept request",
+    doc="""
+    Prefill-first flow (a standard router sends Prefill the prompt before Decode
+    exists for it): a request whose prompt Prefill computed with no Decode named. Its
+    whole KV stays in its own blocks (a Prefill that reuses shared layer buffers refuses
+    to keep one) until ONE Decode claims it, or until the claim window runs out and
+    its blocks are freed unread. The claim registers a Prefill request toward that
+    Decode and publishes every layer at once; a second claim is refused.
+    """,
+    states=(KEPT_WAITING, KEPT_CLAIMED, KEPT_DELIVERED, KEPT_UNCLAIMED),
+    initial=KEPT_WAITING,
+    guards=GUARDS,
+    terminal=frozenset({KEPT_DELIVERED, KEPT_UNCLAIMED}),
+    transitions=(
+        {
+            "trigger": K_RECV_CLAIM,
+            "source": KEPT_WAITING,
+            "dest": KEPT_CLAIMED,
+            "conditions": "claim_usable",
+            "effect": EFFECT_PUBLISH_KEPT,
+        },
+        # A Decode this Prefill cannot serve is refused; another may still claim it.
+        *stay(
+            K_RECV_CLAIM_UNUSABLE,
+            [KEPT_WAITING],
+            effect=EFFECT_REFUSE_CLAIM,
+            conditions="claim_unusable",
+        ),
+        # Claimed once: a repeat (or a second Decode) is refused, never published twice.
+        *stay(K_RECV_CLAIM, [KEPT_CLAIMED], effect=EFFECT_REFUSE_CLAIM),
+        *stay(K_RECV_CLAIM_UNUSABLE, [KEPT_CLAIMED], effect=EFFECT_REFUSE_CLAIM),
+        {"trigger": K_LOCAL_FINISHED, "source": KEPT_CLAIMED, "dest": KEPT_DELIVERED},
+        {
+            "trigger": K_TIMER_CLAIM_EXPIRED,
+            "source": KEPT_WAITING,
+            "dest": KEPT_UNCLAIMED,
+            "effect": EFFECT_RELEASE_UNCLAIMED,
         },
     ),
 )
@@ -763,6 +840,7 @@ PRODUCER_MACHINES: Final[tuple[MachineSpec, ...]] = (
     STORAGE_GATE,
     LAYER_PUBLICATION,
     PREFILL_REQUEST,
+    KEPT_REQUEST,
     CONNECTION_HANDSHAKE,
 )
 check_guards(PRODUCER_MACHINES, GUARDS)

@@ -54,6 +54,10 @@ class ProducerConfig:
     peer that cannot be told, alive but silent for a lease plus this long, may still be
     reading storage that is then reused. ``None`` holds for as long as the connection
     lasts.
+
+    ``claim_timeout_s``: how long a Prefill-first request is kept for the Decode that will
+    claim it (:meth:`ProducerEndpoint.keep_request`); then it finishes unread and its
+    blocks may be freed (a router that dropped the second step, a client gone).
     """
 
     p_rank: int
@@ -70,6 +74,7 @@ class ProducerConfig:
     refused_retry_s: float = 30.0
     refused_retry_max_s: float = 600.0
     silent_peer_timeout_s: float | None = 30.0
+    claim_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
         if not self.layers:
@@ -105,6 +110,8 @@ class ProducerConfig:
             raise ConfigError(
                 f"silent_peer_timeout_s: expected > 0 or None, got {self.silent_peer_timeout_s}"
             )
+        if not self.claim_timeout_s > 0:
+            raise ConfigError(f"claim_timeout_s: expected > 0, got {self.claim_timeout_s}")
         # Fail on a bad rank now, not at the first request.
         map_prefill_rank(self.p_rank, self.p_tp, 1)
 
@@ -149,6 +156,10 @@ class ProducerStats:
     resent: int = 0  # readiness sent again under its seq (a reconnect, a held publication)
     silent_peers: int = 0  # declared dead: nothing heard while they held storage
     protocol_violations: int = 0  # declared dead: input that no table allows
+    kept: int = 0  # Prefill-first requests kept for a Decode's claim
+    claimed: int = 0  # ... claimed by a Decode and published
+    unclaimed: int = 0  # ... whose claim window ran out: freed unread
+    claims_refused: int = 0  # claims answered with a refusal (unknown, twice, unusable)
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,21 +34,26 @@ from rd2h_protocol.machines.producer import (
     EFFECT_HOLD,
     EFFECT_IGNORE,
     EFFECT_ORPHAN,
+    EFFECT_PUBLISH_KEPT,
     EFFECT_QUEUE,
     EFFECT_RECORD_FAILURE,
+    EFFECT_REFUSE_CLAIM,
     EFFECT_REFUSED,
     EFFECT_RELEASE,
     EFFECT_RELEASE_HELD,
+    EFFECT_RELEASE_UNCLAIMED,
     EFFECT_REOPEN,
     EFFECT_REQUEUE,
     EFFECT_RESEND,
     EFFECT_RESET,
     EFFECT_SCHEDULE,
+    EFFECT_SCHEDULE_CLAIMED,
     EFFECT_SEND,
     EFFECT_SEND_ABORT,
     EFFECT_SEND_META,
     EFFECT_STOP,
     GATE_OPEN,
+    KEPT_REQUEST,
     LAYER_PUBLICATION,
     P_RECV_DONE,
     PREFILL_REQUEST,
@@ -64,6 +69,7 @@ from rd2h_protocol.machines.producer import (
 from rd2h_protocol.producer.config import DecodeTarget, Output, PublicationView
 from rd2h_protocol.producer.dead_peers import _DeadPeers
 from rd2h_protocol.producer.handshakes import _Handshakes
+from rd2h_protocol.producer.kept import _KeptRequests
 from rd2h_protocol.producer.leases import _Leases
 from rd2h_protocol.producer.publications import _Publications
 from rd2h_protocol.producer.records import _Pub, _Request
@@ -72,7 +78,7 @@ from rd2h_protocol.wire.codec import decode
 from rd2h_protocol.wire.messages import Abort, Ack, Message, ReadDone, ReadFailed, ReadReq
 
 
-class ProducerEndpoint(_Leases):
+class ProducerEndpoint(_KeptRequests):
     """Sans-IO Prefill endpoint for one TP rank (see the package docstring)."""
 
     # The tables drive the action: each declared effect bound to its handler.
@@ -81,6 +87,7 @@ class ProducerEndpoint(_Leases):
         {
             NO_EFFECT: no_effect,
             EFFECT_SCHEDULE: _Requests._fx_schedule,
+            EFFECT_SCHEDULE_CLAIMED: _KeptRequests._fx_schedule_claimed,
             EFFECT_IGNORE: no_effect,
             EFFECT_RECORD_FAILURE: _Requests._fx_record_failure,
             EFFECT_SEND_ABORT: _Requests._fx_send_abort,
@@ -105,6 +112,14 @@ class ProducerEndpoint(_Leases):
             EFFECT_RELEASE_HELD: _Publications._fx_release_held,
             EFFECT_COUNT_DUPLICATE: _Publications._fx_count_duplicate,
             EFFECT_COUNT_STALE: _Publications._fx_count_stale,
+        }
+    )
+    _KEPT = KEPT_REQUEST.bind(
+        {
+            NO_EFFECT: no_effect,
+            EFFECT_PUBLISH_KEPT: _KeptRequests._fx_publish_kept,
+            EFFECT_REFUSE_CLAIM: _KeptRequests._fx_refuse_claim,
+            EFFECT_RELEASE_UNCLAIMED: _KeptRequests._fx_release_unclaimed,
         }
     )
     _CONN = CONNECTION_HANDSHAKE.bind(
@@ -336,7 +351,7 @@ class ProducerEndpoint(_Leases):
         timers = self._timers
         while timers:
             _, uid = timers[0]
-            if uid in self._pubs or uid in self._handshakes:
+            if uid in self._pubs or uid in self._handshakes or uid in self._kept_timers:
                 return timers[0][0]
             heapq.heappop(timers)
         return None
@@ -344,6 +359,7 @@ class ProducerEndpoint(_Leases):
     def handle_timer(self, now: float) -> list[Output]:
         """Handle every deadline at or before ``now``.
 
+        A kept request whose claim window ran out finishes unread (Prefill-first).
         An expired lease sends ABORT for the publication's requests to a v2 peer, THEN
         reopens the gates, then fails the requests. When no ABORT can go out now (a v1
         peer, or a handshake in progress) the requests fail and the publication is held:
@@ -357,6 +373,8 @@ class ProducerEndpoint(_Leases):
             pub = self._pubs.get(uid)
             if pub is not None:
                 self._expire(pub, now, out)
+                continue
+            if self._claim_expired(uid, out):
                 continue
             conn = self._handshakes.pop(uid, None)
             if conn is not None:
@@ -415,7 +433,7 @@ class ProducerEndpoint(_Leases):
 
     def is_idle(self) -> bool:
         """True when no per-request state is left (no request, publication or chunk)."""
-        return not self._requests and not self._pubs and not self._step_count
+        return not self._requests and not self._pubs and not self._step_count and not self._kept
 
     def _slots_of(self, layer_idx: int) -> tuple[int, ...]:
         if not 0 <= layer_idx <= self._last_layer:

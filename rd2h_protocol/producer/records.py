@@ -2,7 +2,8 @@
 :mod:`rd2h_protocol.machines.producer`.
 
 A :class:`_Gate` per storage slot, a :class:`_Conn` per Decode endpoint (its handshake),
-a :class:`_Request` per Prefill request and a :class:`_Pub` per layer publication. Each
+a :class:`_Request` per Prefill request, a :class:`_Pub` per layer publication and a
+:class:`_Kept` per request kept for the Decode that will claim it (Prefill-first). Each
 record's ``state`` is the state of its machine; only the tables change it. The model
 checker snapshots these records field by field (:mod:`rd2h_protocol.checker`).
 """
@@ -13,7 +14,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from rd2h_protocol.errors import ErrorCode
-from rd2h_protocol.machines.producer import CONN_IDLE, GATE_OPEN, PUB_QUEUED
+from rd2h_protocol.machines.producer import CONN_IDLE, GATE_OPEN, KEPT_WAITING, PUB_QUEUED
 from rd2h_protocol.topology import Contributor
 from rd2h_protocol.wire.messages import ReadReq
 
@@ -74,3 +75,12 @@ class _Pub:
     sent_at: float = 0.0  # now of the last Send of its readiness
     abort_ids: list[str] = field(default_factory=list)  # held: the ABORT it waits for
     held_at: float = 0.0  # now when it was held (silent peers)
+
+
+@dataclass(slots=True, eq=False)
+class _Kept:
+    ext_id: str
+    uid: int  # its claim window's timer
+    deadline: float  # the claim window ends
+    state: str = KEPT_WAITING
+    claimed_by: str = ""  # the connection of the Decode that claimed it

@@ -11,6 +11,7 @@ from typing import Final
 from rd2h_protocol.errors import ErrorCode, RemoteProtocolError
 from rd2h_protocol.events import Chunk, RequestFinished
 from rd2h_protocol.machines.producer import (
+    K_LOCAL_FINISHED,
     R_LOCAL_DRAINED,
     R_RECV_ABORT,
     REQ_ABORTING,
@@ -68,6 +69,9 @@ class _Requests(_ProducerState):
         step = self._step.get(req.conn.name)
         if step is not None and step.pop(req.ext_id, None) is not None:
             self._step_count -= 1
+        kept = self._kept.pop(req.ext_id, None)
+        if kept is not None:  # a claimed Prefill-first request: delivered (or not) now
+            self._KEPT.fire(self, kept, K_LOCAL_FINISHED)
         if ok:
             out.append(RequestFinished(req.ext_id, True, None, ""))
         else:

@@ -3,9 +3,9 @@
 :class:`_ProducerState` declares it all (``__init__``). Each module of this package adds
 one concern to it as a subclass, and calls methods only of the classes it derives from:
 :mod:`.requests` and :mod:`.handshakes`, then :mod:`.publications`, :mod:`.dead_peers`,
-:mod:`.leases`, and :mod:`.endpoint`, whose :class:`ProducerEndpoint` binds each effect of
-each table to its handler. Handlers reach the others through those tables only: a module
-fires ``self._PUB`` (say) without knowing which class handles the effect.
+:mod:`.leases`, :mod:`.kept` and :mod:`.endpoint`, whose :class:`ProducerEndpoint` binds
+each effect of each table to its handler. Handlers reach the others through those tables
+only: a module fires ``self._PUB`` (say) without knowing which class handles the effect.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import ClassVar
 
 from rd2h_protocol.machines.declare import BoundMachine
 from rd2h_protocol.producer.config import ProducerConfig, ProducerStats
-from rd2h_protocol.producer.records import _Conn, _Gate, _Pub, _Request
+from rd2h_protocol.producer.records import _Conn, _Gate, _Kept, _Pub, _Request
 from rd2h_protocol.topology import wire_layer_indices
 from rd2h_protocol.wire.layout import assign_storage_slots, encode_layer_metadata
 from rd2h_protocol.wire.messages import ALL_CAPABILITIES, PROTOCOL_VERSION, MfMeta
@@ -31,6 +31,7 @@ class _ProducerState:
     _REQUEST: ClassVar[BoundMachine]  # PREFILL_REQUEST
     _PUB: ClassVar[BoundMachine]  # LAYER_PUBLICATION
     _CONN: ClassVar[BoundMachine]  # CONNECTION_HANDSHAKE: one per Decode endpoint
+    _KEPT: ClassVar[BoundMachine]  # KEPT_REQUEST: one per Prefill-first request kept
 
     def __init__(self, config: ProducerConfig) -> None:
         self.config = config
@@ -64,6 +65,8 @@ class _ProducerState:
         self._requests: dict[str, _Request] = {}
         self._pubs: dict[int, _Pub] = {}  # live publications by uid
         self._handshakes: dict[int, _Conn] = {}  # running handshakes by token
+        self._kept: dict[str, _Kept] = {}  # Prefill-first requests kept, by ext id
+        self._kept_timers: dict[int, _Kept] = {}  # ... waiting for a claim, by timer uid
         self._timers: list[tuple[float, int]] = []  # (deadline, uid or token), lazy heap
         self._next_uid = 0
         self._pending_raise: dict[int, str] = {}  # slot -> failure to raise ("raise" policy)

@@ -16,6 +16,7 @@ from rd2h_protocol.errors import LocalProtocolError, RemoteProtocolError
 from rd2h_protocol.machines.declare import MachineSpec
 from rd2h_protocol.machines.producer import (
     CONNECTION_HANDSHAKE,
+    KEPT_REQUEST,
     LAYER_PUBLICATION,
     PREFILL_REQUEST,
     STORAGE_GATE,
@@ -36,6 +37,7 @@ def test_every_producer_machine_is_listed() -> None:
         STORAGE_GATE,
         LAYER_PUBLICATION,
         PREFILL_REQUEST,
+        KEPT_REQUEST,
         CONNECTION_HANDSHAKE,
     )
     assert len(MACHINES) == len(PRODUCER_MACHINES)
