@@ -28,12 +28,30 @@ A Prefill/Decode deployment is reproduced on 127.0.0.1 with nothing but this mac
    come from the Prefill server with no ``kv_transfer_params`` (salted out of the prefix
    cache), then the same prompts go through the proxy; it prints ``tokens match: N/N``.
 
+6. :mod:`~rd2h_vllm.serving.router` starts ``vllm-router`` (vLLM's Rust router) in P/D
+   mode in front of Prefill and Decode: the standard Prefill-first flow, for vLLM's
+   NixlConnector servers (``ServerSpec`` role "nixl_connector") and RD2H's alike
+   (``python -m benchmarks.bench_serving`` compares them).
+
 ``tests/serving`` uses the same pieces. Nothing here imports vLLM: the servers do.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["RouterProcess", "main", "start_router"]
+
+
+def __getattr__(name: str) -> Any:
+    """The router harness, imported on first use (``from rd2h_vllm.serving import
+    start_router``)."""
+    if name in ("RouterProcess", "start_router"):
+        from rd2h_vllm.serving import router
+
+        return getattr(router, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
