@@ -1,4 +1,5 @@
-"""Child processes: vLLM OpenAI servers (Prefill, Decode, plain) and ``rd2h proxy``.
+"""Child processes: vLLM OpenAI servers (Prefill, Decode, plain, vLLM's NixlConnector)
+and ``rd2h proxy``.
 
 Every child runs in its own session (process group), so stopping it reaches vLLM's
 engine-core and worker processes too: SIGTERM to the group, then SIGKILL to the group
@@ -22,7 +23,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final, Literal, TypeAlias
@@ -30,7 +31,9 @@ from typing import Any, Final, Literal, TypeAlias
 from rd2h_vllm.serving.model import TinyModel
 
 HOST: Final = "127.0.0.1"
-Role: TypeAlias = Literal["prefill", "decode", "plain"]
+#: "prefill"/"decode": RD2H's connector; "plain": none; "nixl_connector": vLLM's own
+#: NixlConnector (``kv_both``, the baseline RD2H is measured against).
+Role: TypeAlias = Literal["prefill", "decode", "plain", "nixl_connector"]
 Backend: TypeAlias = Literal["nixl", "mooncake"]
 BACKENDS: Final[tuple[Backend, ...]] = ("nixl", "mooncake")
 
@@ -223,6 +226,40 @@ class ManagedProcess:
         with contextlib.suppress(OSError):
             Path(f"/proc/{self.pid}/autogroup").write_text(str(nice))
 
+    def group_pids(self) -> list[int]:
+        """Every process of the child's process group now (from ``/proc``)."""
+        pids: list[int] = []
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            fields = stat[stat.rfind(")") + 2 :].split()  # state, ppid, pgrp, ...
+            if len(fields) > 2 and int(fields[2]) == self.pid:
+                pids.append(int(entry.name))
+        return sorted(pids)
+
+    def pin_cpus(self, cpus: Collection[int]) -> int:
+        """Set the CPU affinity of every thread of every process of the group to ``cpus``
+        (what ``taskset -a -p`` does per process); the number of threads pinned.
+
+        Processes and threads started later inherit it from their parent thread, so call
+        it again once a server is up: some pin threads of their own (vLLM's CPU worker
+        binds its main thread to a core of its choosing)."""
+        pinned = 0
+        for pid in self.group_pids():
+            try:
+                tids = [int(t.name) for t in Path(f"/proc/{pid}/task").iterdir()]
+            except OSError:
+                continue
+            for tid in tids:
+                with contextlib.suppress(OSError):  # a thread that exited meanwhile
+                    os.sched_setaffinity(tid, cpus)
+                    pinned += 1
+        return pinned
+
     def log_causes(self, lines: int = 3) -> list[str]:
         """The last distinct exception lines (``...Error: message``) of the log."""
         try:
@@ -277,12 +314,17 @@ class ServerSpec:
     """One vLLM OpenAI server to start.
 
     ``role`` "prefill" and "decode" add RD2H's ``--kv-transfer-config`` (kv_producer /
-    kv_consumer over ``backend``); "plain" is a single instance without a connector.
+    kv_consumer over ``backend``); "plain" is a single instance without a connector;
+    "nixl_connector" runs vLLM's own NixlConnector (``kv_both``, host buffers, its side
+    channel on a free port: :data:`NIXL_CONNECTOR_ENV`), for the baseline behind
+    ``vllm-router``.
     ``extra_config`` is merged into ``kv_connector_extra_config``, ``transfer_config``
     into the ``--kv-transfer-config`` object itself (e.g. ``kv_load_failure_policy``);
     ``env`` is added to the server's environment (e.g. :data:`IN_PROCESS_WORKER`).
     ``ready_nice`` is the CPU niceness of the server's processes once it is ready (0 leaves
-    it; see :meth:`ManagedProcess.lower_cpu_priority`).
+    it; see :meth:`ManagedProcess.lower_cpu_priority`). ``cpus`` (empty: any) pins every
+    thread of the server's processes to those CPUs at launch and again once it is ready
+    (:meth:`ManagedProcess.pin_cpus`).
     """
 
     model: TinyModel
@@ -298,12 +340,36 @@ class ServerSpec:
     env: Mapping[str, str] = field(default_factory=dict)
     extra_args: tuple[str, ...] = ()
     ready_nice: int = 0
+    cpus: tuple[int, ...] = ()
+
+
+#: Environment of a "nixl_connector" server besides its side-channel port
+#: (``VLLM_NIXL_SIDE_CHANNEL_PORT``, chosen free per server). RD2H's plugin bounds NIXL's
+#: progress-thread delay to 50 us there as RD2H's nixl backend does for its own agents
+#: (NIXL's Python agent spins at delay 0), so both sides of a comparison get the same
+#: bound. The plugin then imports NIXL before vLLM does, which keeps vLLM from setting
+#: UCX_RCACHE_MAX_UNRELEASED itself: it is set here to vLLM's value.
+NIXL_CONNECTOR_ENV: Final[Mapping[str, str]] = {
+    "VLLM_NIXL_SIDE_CHANNEL_HOST": HOST,
+    "RD2H_BOUND_NIXL_PROGRESS": "1",
+    "UCX_RCACHE_MAX_UNRELEASED": "1024",
+}
 
 
 def kv_transfer_config(spec: ServerSpec, kv_port: int | None) -> dict[str, Any] | None:
     """The ``--kv-transfer-config`` object of ``spec`` (None for a plain server)."""
     if spec.role == "plain":
         return None
+    if spec.role == "nixl_connector":
+        baseline: dict[str, Any] = {
+            "kv_connector": "NixlConnector",
+            "kv_role": "kv_both",
+            "kv_buffer_device": "cpu",
+        }
+        if spec.extra_config:
+            baseline["kv_connector_extra_config"] = dict(spec.extra_config)
+        baseline.update(spec.transfer_config)
+        return baseline
     extra = {"transfer_backend": spec.backend, "advertise_host": HOST, **spec.extra_config}
     config: dict[str, Any] = {
         "kv_connector": "SfaRemoteD2HConnector",
@@ -359,13 +425,25 @@ class VllmServer(ManagedProcess):
     def __init__(self, spec: ServerSpec, log_dir: Path, name: str | None = None) -> None:
         self.spec = spec
         self.port = free_port()
-        self.kv_port = free_port(spec.tp) if spec.role != "plain" else None
+        self.kv_port = free_port(spec.tp) if spec.role in ("prefill", "decode") else None
+        env = dict(spec.env)
+        #: NixlConnector's side channel (handshakes): side_channel_port + TP rank.
+        self.side_channel_port: int | None = None
+        if spec.role == "nixl_connector":
+            self.side_channel_port = free_port(spec.tp)
+            env = {
+                **NIXL_CONNECTOR_ENV,
+                "VLLM_NIXL_SIDE_CHANNEL_PORT": str(self.side_channel_port),
+                **env,
+            }
         self.url = f"http://{HOST}:{self.port}"
         self.started_at = time.monotonic()
         self.ready_s = 0.0
         label = name or f"{spec.role}-{spec.model.kind}-{spec.backend}-tp{spec.tp}"
         cmd = server_command(spec, self.port, self.kv_port)
-        super().__init__(label, cmd, log_dir / f"{label}.log", env=spec.env)
+        super().__init__(label, cmd, log_dir / f"{label}.log", env=env)
+        if spec.cpus:
+            self.pin_cpus(spec.cpus)
 
     def wait_ready(self, timeout_s: float = 240.0) -> None:
         """Wait for ``/health``; records the start-up time in ``ready_s``."""
@@ -387,6 +465,8 @@ class VllmServer(ManagedProcess):
     def _became_ready(self) -> None:
         """Record the start-up time; from now on run at the spec's ``ready_nice``."""
         self.ready_s = time.monotonic() - self.started_at
+        if self.spec.cpus:
+            self.pin_cpus(self.spec.cpus)
         if self.spec.ready_nice:
             self.lower_cpu_priority(self.spec.ready_nice)
 
