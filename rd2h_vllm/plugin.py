@@ -15,6 +15,10 @@ vllm-ascend ships a connector with the same name. When the name is already taken
 another package, :func:`register` leaves it alone and logs how to pick rd2h explicitly
 (``"kv_connector_module_path": "rd2h_vllm.connector"``, which vLLM prefers over its
 registry) unless ``RD2H_REPLACE_CONNECTOR=1`` asks to take the name over.
+
+``RD2H_BOUND_NIXL_PROGRESS=1`` bounds NIXL's progress-thread delay in the process as
+rd2h's nixl backend does (50 us instead of spinning), for a server running vLLM's own
+NixlConnector beside rd2h in a comparison (``rd2h bench serving``).
 """
 
 from __future__ import annotations
@@ -68,6 +72,10 @@ def register() -> None:
     The connector modules are imported only when vLLM first asks for a class.
     """
     global _registered_by_us
+    if os.environ.get("RD2H_BOUND_NIXL_PROGRESS") == "1":
+        from rd2h_runtime.transfer.nixl_backend import _import_nixl
+
+        _import_nixl()  # swaps in the bounded agent config, once per process
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
     _log_through_vllm()
