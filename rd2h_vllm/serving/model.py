@@ -236,15 +236,25 @@ def kv_bytes_per_token(cfg: Mapping[str, Any], dtype_size: int = 4) -> int:
     return int(per_layer * dtype_size * cfg["num_hidden_layers"])
 
 
-def build_model(path: Path, kind: ModelKind = "llama", seed: int = 0) -> TinyModel:
-    """Write a servable tiny model of ``kind`` into ``path`` (created if missing)."""
+def build_model(
+    path: Path,
+    kind: ModelKind = "llama",
+    seed: int = 0,
+    overrides: Mapping[str, Any] | None = None,
+) -> TinyModel:
+    """Write a servable tiny model of ``kind`` into ``path`` (created if missing).
+
+    ``overrides`` replaces entries of the kind's config (e.g. ``num_hidden_layers``,
+    ``hidden_size``, ``intermediate_size``, ``num_attention_heads``,
+    ``num_key_value_heads``) for a larger model; the weights follow the config.
+    """
     if kind not in _BUILDERS:
         raise ValueError(f"unknown model kind {kind!r}; choose one of {', '.join(MODEL_KINDS)}")
     from safetensors.numpy import save_file
 
     path.mkdir(parents=True, exist_ok=True)
     base, make_weights = _BUILDERS[kind]
-    cfg = {**base, "vocab_size": build_tokenizer(path)}
+    cfg = {**base, **(overrides or {}), "vocab_size": build_tokenizer(path)}
     (path / "config.json").write_text(json.dumps(cfg, indent=1))
     save_file(make_weights(cfg, seed), str(path / "model.safetensors"), {"format": "pt"})
     return TinyModel(
