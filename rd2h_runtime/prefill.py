@@ -41,6 +41,7 @@ from rd2h_protocol.errors import ConfigError, LocalProtocolError
 from rd2h_protocol.events import Chunk
 from rd2h_protocol.machines import NO_EFFECT, no_effect
 from rd2h_protocol.producer import (
+    ClaimAnswered,
     Connect,
     DecodeTarget,
     Disconnect,
@@ -199,6 +200,7 @@ class PrefillWorker(EndpointWorker[Output, RequestFinished, str, ClientEvent]):
         # Decode endpoint -> the health of its connection (lock held).
         self._health: dict[str, _Health] = {}
         self._finished: dict[str, RequestFinished] = {}
+        self._claim_answers: dict[str, ClaimAnswered] = {}  # (lock held) for claim()
         self.metrics = PrefillMetrics()
         # Readiness -> reply times of the latest publications (seconds), for percentiles.
         self._round_trips: collections.deque[float] = collections.deque(maxlen=ROUND_TRIP_SAMPLES)
@@ -326,6 +328,39 @@ class PrefillWorker(EndpointWorker[Output, RequestFinished, str, ClientEvent]):
             {"ext_ids": ids, "reason": reason},
         )
 
+    def keep_request(self, ext_req_id: str) -> None:
+        """Prefill-first: keep a computed request for the Decode that will claim it.
+
+        Raises :class:`~rd2h_protocol.errors.LocalProtocolError` when this Prefill cannot
+        keep one (its message says why and names the Decode-first proxy).
+        """
+        self._call(
+            lambda now: self._endpoint.keep_request(ext_req_id, now),
+            "keep_request",
+            {"ext_req_id": ext_req_id},
+        )
+
+    def claim(self, ext_req_id: str, target: DecodeTarget, chunk: Chunk) -> ClaimAnswered:
+        """A Decode claims a kept request: publish every layer of ``chunk`` to ``target``
+        now; the answer to send it back (refused: unknown, claimed already, unusable)."""
+        self._call(
+            lambda now: self._endpoint.claim(ext_req_id, target, chunk, now),
+            "claim",
+            None
+            if self._tracer is None
+            else {
+                "ext_req_id": ext_req_id,
+                "target": (target.host, target.base_port, target.d_tp),
+                "main_block_ids": tuple(chunk.main_block_ids),
+                "indexer_block_ids": tuple(chunk.indexer_block_ids),
+                "main_start_block": chunk.main_start,
+                "indexer_start_block": chunk.indexer_start,
+                "final": chunk.final,
+            },
+        )
+        with self._lock:
+            return self._claim_answers.pop(ext_req_id)
+
     # -- completions -----------------------------------------------------------------------
 
     def wait_finished(self, ext_req_id: str, timeout: float) -> RequestFinished | None:
@@ -416,6 +451,8 @@ class PrefillWorker(EndpointWorker[Output, RequestFinished, str, ClientEvent]):
                 finished.append(out)
             elif isinstance(out, LayerReplied):
                 self._round_trips.append(out.round_trip_s)
+            elif isinstance(out, ClaimAnswered):
+                self._claim_answers[out.ext_req_id] = out
             elif isinstance(out, Disconnect):
                 # The endpoint declared the peer dead: a fresh DEALER next time.
                 _HEALTH.fire(self, self._health_of(out.conn), H_LOCAL_DECLARED_DEAD)

@@ -68,6 +68,9 @@ EXTRA_DEFAULTS: Final[Mapping[str, object]] = {
     # is declared dead (null: hold until it replies or its connection goes; see
     # ProducerConfig.silent_peer_timeout_s for the trade-off).
     "silent_peer_timeout_s": 30.0,
+    # Prefill, Prefill-first flow (a standard router): how long a computed request's blocks
+    # are kept for the Decode that will claim them, before they are freed unread.
+    "claim_timeout_s": 120.0,
     "protocol": "v2",
     # v2: the metaserver client (item 12).
     "metaserver_timeout_s": 5.0,
@@ -115,8 +118,9 @@ class MetaserverOptions:
 class Rd2hConfig:
     """The validated configuration of one RD2H connector instance (one engine, one role).
 
-    ``base_port`` is this Decode DP rank's base control port (``kv_port + global_dp_rank *
-    tp_size``; TP rank r binds ``base_port + r``); None on Prefill, which binds nothing.
+    ``base_port`` is this DP rank's base port (``kv_port + global_dp_rank * tp_size``; TP
+    rank r binds ``base_port + r``): Decode's control ports, Prefill's claim ports (the
+    Prefill-first flow: a Decode claims a kept request there).
     ``sparse_offload`` says whether vLLM-Ascend's sparse KV offload is enabled.
     """
 
@@ -132,12 +136,13 @@ class Rd2hConfig:
     max_read_retries: int
     handshake_timeout_s: float
     silent_peer_timeout_s: float | None
+    claim_timeout_s: float
     protocol: ProtocolChoice
     metaserver: MetaserverOptions
     tp_size: int
     dp_size: int
     dp_rank: int
-    base_port: int | None
+    base_port: int
     sparse_offload: bool
     device_type: str
     peer_tp_size: int | None
@@ -340,6 +345,7 @@ def parse_config(
     handshake_timeout_s = _positive_number(
         problems, "handshake_timeout_s", values["handshake_timeout_s"]
     )
+    claim_timeout_s = _positive_number(problems, "claim_timeout_s", values["claim_timeout_s"])
     silent_peer_timeout_s = values["silent_peer_timeout_s"]
     if silent_peer_timeout_s is not None:
         silent_peer_timeout_s = _positive_number(
@@ -406,13 +412,14 @@ def parse_config(
         dp_rank = 0
 
     kv_port = entry.get("kv_port", kv_transfer.get("kv_port", DEFAULT_KV_PORT))
-    base_port: int | None = None
+    base_port = DEFAULT_KV_PORT
     if not _is_int(kv_port):
         problems.add(f"kv_port={kv_port!r}: set it to an integer port number")
         kv_port = DEFAULT_KV_PORT
-    elif role == "kv_consumer":
-        # Decode binds dp_size * tp_size consecutive ports from kv_port; check the whole
-        # reservation (the last DP rank's last TP rank), not only this rank's.
+    else:
+        # Both roles bind dp_size * tp_size consecutive ports from kv_port (Decode its
+        # control ports, Prefill its claim ports); check the whole reservation (the last
+        # DP rank's last TP rank), not only this rank's.
         try:
             decode_base_port(kv_port, dp_size - 1, tp_size)
             base_port = decode_base_port(kv_port, dp_rank, tp_size)
@@ -420,7 +427,7 @@ def parse_config(
             highest = 65535 - dp_size * tp_size + 1
             problems.add(
                 f"kv_port={kv_port} does not leave room for {dp_size} DP x {tp_size} TP "
-                f"Decode ports ({exc.message}): set kv_port between 1 and {max(highest, 1)}"
+                f"ports ({exc.message}): set kv_port between 1 and {max(highest, 1)}"
             )
 
     peer_tp = values["peer_tp_size"]
@@ -479,6 +486,7 @@ def parse_config(
         max_read_retries=max_read_retries,
         handshake_timeout_s=handshake_timeout_s,
         silent_peer_timeout_s=silent_peer_timeout_s,
+        claim_timeout_s=claim_timeout_s,
         protocol=protocol,
         metaserver=metaserver,
         tp_size=tp_size,

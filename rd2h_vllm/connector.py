@@ -227,6 +227,7 @@ class SfaRemoteD2HConnector(Rd2hMetricsMixin, KVConnectorBase_V1, SupportsHMA):
                     # The caches' own device says where the scatter runs.
                     events=device_events(layers[0].device),
                     compat=compat,
+                    host=self._host(),
                     control_options=self.control_options,
                 )
                 logger.info(
@@ -249,7 +250,6 @@ class SfaRemoteD2HConnector(Rd2hMetricsMixin, KVConnectorBase_V1, SupportsHMA):
                         "sparse_kv_offload_config to read into vLLM's own KV cache"
                     )
                 destinations = VllmCacheDestinations(layers, num_blocks)
-            assert self.config.base_port is not None
             self.decode = DecodeSide(
                 self.config,
                 self.groups,

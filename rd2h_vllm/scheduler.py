@@ -85,6 +85,14 @@ from typing import TYPE_CHECKING, Any, Protocol
 import msgspec
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
+from rd2h_protocol.claim import (
+    CLAIM_VERSION,
+    KeptSource,
+    is_kept_params,
+    is_prefill_first,
+    kept_params,
+    kept_source_from_params,
+)
 from rd2h_protocol.errors import ConfigError, ErrorCode, ProtocolError
 from rd2h_protocol.rendezvous import (
     BATCH_PARAMS_KEY,
@@ -119,7 +127,9 @@ class LoadSpec(msgspec.Struct, frozen=True, kw_only=True):
     main and indexer KV-cache groups (a chunk's start offsets index into them);
     ``indexer_block_ids`` is None for a model without an indexer. ``local_tokens`` are
     prompt tokens Decode already holds (its prefix-cache hit, posted as
-    ``remote_cached_tokens``); ``num_tokens`` are the tokens to receive.
+    ``remote_cached_tokens``); ``num_tokens`` are the tokens to receive. ``source`` names
+    the Prefill that keeps the KV in the Prefill-first flow (the worker claims it there;
+    ``ext_id`` is then the request's id on that Prefill); None in the Decode-first flow.
     """
 
     req_id: str
@@ -128,6 +138,7 @@ class LoadSpec(msgspec.Struct, frozen=True, kw_only=True):
     indexer_block_ids: list[int] | None
     local_tokens: int
     num_tokens: int
+    source: KeptSource | None = None
 
 
 class LoadFailure(msgspec.Struct, frozen=True, kw_only=True):
@@ -170,11 +181,13 @@ class SendSpec(msgspec.Struct, frozen=True, kw_only=True):
     by earlier steps (rounded down to the smallest block size); ``computed_tokens``:
     computed once this step has run; ``final``: this step finishes the prompt (its
     partial last block goes too and the request's done signal follows the last layer).
+    ``target`` None: a Prefill-first request (no Decode yet): nothing is published while
+    it computes, and its final step's blocks are kept for the Decode that claims them.
     """
 
     req_id: str
     ext_id: str
-    target: DecodeTarget
+    target: DecodeTarget | None
     remote_cached_tokens: int
     transferred_tokens: int
     computed_tokens: int
@@ -292,7 +305,7 @@ class _QueuedPost:
 class _SendState:
     request: Request
     ext_id: str
-    target: DecodeTarget
+    target: DecodeTarget | None  # None: Prefill-first (kept for the Decode that claims it)
     remote_cached_tokens: int
     transferred_tokens: int = 0
     published: bool = False  # a SendSpec went to the workers
@@ -303,8 +316,9 @@ class _SendState:
 class SchedulerSide:
     """The connector's scheduler half for one role (see the module docstring).
 
-    ``poster`` is required on Decode; ``host`` is the address posted in rendezvous
-    (default: ``config.advertise_host``, else vLLM's ``get_ip()``).
+    ``poster`` is required on Decode; ``host`` is the address posted in rendezvous, and
+    on Prefill the one its Prefill-first answers name (default:
+    ``config.advertise_host``, else vLLM's ``get_ip()``).
     """
 
     def __init__(
@@ -318,15 +332,14 @@ class SchedulerSide:
         self.config = config
         self.groups = CacheGroups.from_kv_cache_config(kv_cache_config)
         self.stats = Rd2hKVConnectorStats()
-        if config.is_consumer:
-            if poster is None:
-                raise ConfigError("Decode's scheduler side needs a rendezvous poster")
-            if host is None:
-                host = config.advertise_host
-            if host is None:
-                from vllm.utils.network_utils import get_ip
+        if config.is_consumer and poster is None:
+            raise ConfigError("Decode's scheduler side needs a rendezvous poster")
+        if host is None:
+            host = config.advertise_host
+        if host is None:
+            from vllm.utils.network_utils import get_ip
 
-                host = get_ip()
+            host = get_ip()
         self._poster = poster
         self._host = host or ""
         # Decode
@@ -379,13 +392,18 @@ class SchedulerSide:
         params = request.kv_transfer_params
         if not params or not params.get("do_remote_prefill"):
             return 0, False
-        if not params.get(METASERVER_KEY):
-            # Without a metaserver nobody can tell Prefill: compute locally instead.
+        if not params.get(METASERVER_KEY) and not is_kept_params(params):
+            # Nobody can tell Prefill, nor is a Prefill keeping the KV: compute locally.
             logger.warning(
-                "request %s asks for a remote prefill but names no %r; computing it locally",
+                "request %s asks for a remote prefill but its kv_transfer_params name "
+                "neither %r (rd2h proxy, Decode-first) nor %r (an rd2h Prefill's answer "
+                "behind a standard router; was Prefill run with another connector?); "
+                "computing it locally",
                 request.request_id,
                 METASERVER_KEY,
+                "rd2h_claim_version",
             )
+            self.stats.record_failure(ErrorCode.MALFORMED)
             return 0, False
         count = request.num_prompt_tokens - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
@@ -399,10 +417,17 @@ class SchedulerSide:
         if not params:
             return
         if self.config.is_consumer:
-            if params.get("do_remote_prefill") and params.get(METASERVER_KEY):
+            if not params.get("do_remote_prefill"):
+                return
+            if params.get(METASERVER_KEY):
                 self._decode_after_alloc(request, blocks, num_external_tokens, params)
+            elif is_kept_params(params):
+                self._claim_after_alloc(request, blocks, num_external_tokens, params)
         elif params.get("do_remote_decode") and request.request_id not in self._sending:
-            self._prefill_after_alloc(request, params)
+            if is_prefill_first(params):
+                self._keep_after_alloc(request)
+            else:
+                self._prefill_after_alloc(request, params)
 
     def _decode_after_alloc(
         self,
@@ -448,9 +473,78 @@ class SchedulerSide:
         self._loading[req_id] = spec
         self._new_loads.append(spec)
 
+    def _claim_after_alloc(
+        self,
+        request: Request,
+        blocks: KVCacheBlocks,
+        num_external_tokens: int,
+        params: dict[str, Any],
+    ) -> None:
+        """Decode, Prefill-first: load from the Prefill that kept the request; the worker
+        claims it there. Unusable parameters fail the load (``kv_load_failure_policy``
+        then decides) with a WARNING naming the field at fault."""
+        req_id = request.request_id
+        failure: str | None = None
+        source: KeptSource | None = None
+        try:
+            source = kept_source_from_params(params)
+            self.config.check_peer(source.remote_tp_size)
+        except ProtocolError as exc:
+            failure = exc.message
+        params["do_remote_prefill"] = False  # a later lookup (preemption) must not start again
+        if num_external_tokens <= 0:
+            return
+        local_tokens = request.num_prompt_tokens - num_external_tokens
+        main, indexer = self.groups.split(blocks.get_block_ids())
+        if source is not None and failure is None:
+            if source.remote_num_tokens != request.num_prompt_tokens:
+                failure = (
+                    f"kv_transfer_params.remote_num_tokens={source.remote_num_tokens}: Prefill "
+                    f"computed that many prompt tokens, this request has "
+                    f"{request.num_prompt_tokens} (another tokenizer or prompt?)"
+                )
+            elif source.rd2h_claim_version < CLAIM_VERSION:
+                failure = (
+                    f"kv_transfer_params.rd2h_claim_version={source.rd2h_claim_version}: "
+                    f"this Decode claims with version {CLAIM_VERSION}"
+                )
+        ext_id = source.remote_request_id if source is not None else external_request_id(req_id)
+        spec = LoadSpec(
+            req_id=req_id,
+            ext_id=ext_id,
+            main_block_ids=main,
+            indexer_block_ids=indexer,
+            local_tokens=local_tokens,
+            num_tokens=num_external_tokens,
+            source=source if failure is None else None,
+        )
+        self._loading[req_id] = spec
+        self._new_loads.append(spec)
+        if failure is not None:
+            logger.warning("request %s: cannot load its KV from Prefill: %s", req_id, failure)
+            with self._posts_lock:
+                self._failures.append(
+                    LoadFailure(
+                        req_id=req_id,
+                        ext_id=ext_id,
+                        code=int(ErrorCode.MALFORMED),
+                        message=f"unusable Prefill-first kv_transfer_params: {failure}",
+                    )
+                )
+
+    def _keep_after_alloc(self, request: Request) -> None:
+        """Prefill, Prefill-first: computed with no Decode named; kept once computed."""
+        req_id = request.request_id
+        self._sending[req_id] = _SendState(
+            request=request,
+            ext_id=external_request_id(req_id),
+            target=None,
+            remote_cached_tokens=0,
+        )
+
     @property
     def _base_port(self) -> int:
-        assert self.config.base_port is not None  # set for every consumer config
+        assert self.config.base_port is not None  # set for every config
         return self.config.base_port
 
     def _prefill_after_alloc(self, request: Request, params: dict[str, Any]) -> None:
@@ -610,11 +704,26 @@ class SchedulerSide:
         state = self._sending.get(req_id)
         if state is None:
             return False, None
-        if not state.published:
+        if not state.published or (state.target is None and not state.final_sent):
+            # Nothing went out; a Prefill-first request the workers never kept is
+            # dropped by them when vLLM lists it finished.
             del self._sending[req_id]
             return False, None
         state.finished = True
-        return True, None
+        if state.target is not None:
+            return True, None
+        # Prefill-first: the router hands these to Decode, which claims the KV here.
+        return True, kept_params(
+            KeptSource(
+                remote_engine_id=self.config.engine_id or "rd2h-prefill",
+                remote_host=self._host,
+                remote_port=self._base_port,
+                remote_tp_size=self.config.tp_size,
+                remote_request_id=state.ext_id,
+                remote_num_tokens=state.request.num_prompt_tokens,
+                rd2h_claim_version=CLAIM_VERSION,
+            )
+        )
 
     def get_kv_connector_stats(self) -> Rd2hKVConnectorStats | None:
         """Scheduler-side stats of the interval (rendezvous failures), then reset."""

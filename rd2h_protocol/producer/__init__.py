@@ -79,6 +79,7 @@ one another only through the tables.
 from __future__ import annotations
 
 from rd2h_protocol.events import (
+    ClaimAnswered,
     Connect,
     Disconnect,
     GateOpened,
@@ -101,6 +102,7 @@ from rd2h_protocol.producer.endpoint import ProducerEndpoint
 
 __all__ = [
     "PRODUCER_MACHINES",
+    "ClaimAnswered",
     "Connect",
     "DecodeTarget",
     "Disconnect",

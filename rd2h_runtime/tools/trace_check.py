@@ -67,7 +67,7 @@ def _error(d: dict[str, Any] | None) -> TransferError | None:
 def _producer_call(ep: ProducerEndpoint, op: str, a: dict[str, Any], t: float) -> list[Any]:
     if op == "add_request":
         return ep.add_request(a["ext_req_id"], DecodeTarget(*a["target"]), t)
-    if op == "schedule_chunk":
+    if op in ("schedule_chunk", "claim"):
         chunk = Chunk(
             ext_req_id=a["ext_req_id"],
             main_block_ids=a["main_block_ids"],
@@ -76,7 +76,11 @@ def _producer_call(ep: ProducerEndpoint, op: str, a: dict[str, Any], t: float) -
             indexer_start=a["indexer_start_block"],
             final=a["final"],
         )
+        if op == "claim":
+            return ep.claim(a["ext_req_id"], DecodeTarget(*a["target"]), chunk, t)
         return ep.schedule_chunk(chunk, t)
+    if op == "keep_request":
+        return ep.keep_request(a["ext_req_id"], t)
     if op == "layer_written":
         return ep.layer_written(a["layer_idx"], t)
     if op == "end_step":

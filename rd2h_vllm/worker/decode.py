@@ -9,6 +9,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Final
 
+from rd2h_protocol.claim import CLAIM_VERSION, Claim, ClaimAnswer
 from rd2h_protocol.completion import CrossRankCompletion, RankReport
 from rd2h_protocol.consumer import ConsumerConfig
 from rd2h_protocol.errors import (
@@ -16,6 +17,8 @@ from rd2h_protocol.errors import (
     ProtocolError,
 )
 from rd2h_protocol.machines import NO_EFFECT, no_effect
+from rd2h_protocol.topology import map_prefill_rank
+from rd2h_runtime.claims import ClaimClient
 from rd2h_runtime.control import ControlOptions
 from rd2h_runtime.decode import DecodeWorker, Outcome, ReadRecord
 from rd2h_runtime.transfer import TransferBackend
@@ -78,6 +81,8 @@ class DecodeSide:
         self.groups = groups
         self.destinations = destinations
         self._tp = tp
+        self._host = host
+        self._control_options = control_options
         self._report_blocks = report_block_errors
         self.stats = Rd2hKVConnectorStats()
         self._counters = CounterDelta()
@@ -87,6 +92,10 @@ class DecodeSide:
         self._loads: dict[str, _Load] = {}
         self._by_ext: dict[str, str] = {}
         self._error_blocks: set[int] = set()
+        # Prefill-first: the claims of kept requests (opened on first use), and the
+        # refusals their answers brought (from the client's thread).
+        self._claims: ClaimClient | None = None
+        self._refused: list[tuple[str, str, int]] = []  # (ext id, why, code)
         #: Loads reported failed by the last get_finished: req_id -> (main, indexer) ids.
         self.last_failed: dict[str, tuple[list[int], list[int]]] = {}
         self.completion = CrossRankCompletion(tp.size)
@@ -161,6 +170,42 @@ class DecodeSide:
             _LOAD.fire(self, load, L_LOCAL_ADD_FAILED, exc)
             return
         _LOAD.fire(self, load, L_LOCAL_ADDED)
+        if spec.source is not None:
+            self._claim(spec)
+
+    def _claim(self, spec: LoadSpec) -> None:
+        """Prefill-first: ask each Prefill rank that serves this rank for the kept KV (its
+        destinations are registered already, so the readiness finds them)."""
+        source = spec.source
+        assert source is not None
+        if self._claims is None:
+            self._claims = ClaimClient(
+                self._on_claim_answer,
+                answer_timeout_s=self.config.handshake_timeout_s,
+                options=self._control_options,
+                name=f"claims-d{self._tp.rank}",
+            )
+        claim = Claim(
+            version=CLAIM_VERSION,
+            request_id=spec.ext_id,
+            engine_id=self.config.engine_id,
+            host=self._host,
+            port=self.config.base_port,
+            tp_size=self.config.tp_size,
+            cached_tokens=spec.local_tokens,
+            num_tokens=spec.local_tokens + spec.num_tokens,
+        )
+        p_tp = source.remote_tp_size
+        for p_rank in range(p_tp):
+            if map_prefill_rank(p_rank, p_tp, self.config.tp_size).d_rank == self._tp.rank:
+                self._claims.claim(source.remote_host, source.remote_port + p_rank, claim)
+
+    def _on_claim_answer(self, conn: str, answer: ClaimAnswer) -> None:
+        """A claim's answer (the claim client's thread): a refusal fails the load."""
+        if not answer.ok:
+            why = f"Prefill rank {conn} refused the claim: {answer.message}"
+            with self._lock:
+                self._refused.append((answer.request_id, why, answer.code))
 
     def _on_outcome(self, outcome: Outcome) -> None:
         with self._lock:
@@ -172,6 +217,14 @@ class DecodeSide:
 
     def get_finished(self, finished_req_ids: Iterable[str]) -> tuple[set[str], set[str]]:
         """``(finished_recving, failed_recving)`` of this step (a TP collective)."""
+        with self._lock:
+            refused, self._refused = self._refused, []
+        for ext_id, why, code in refused:
+            load = self._loads.get(self._by_ext.get(ext_id, ""))
+            if load is not None:
+                logger.warning("request %s: %s", load.spec.req_id, why)
+                self.stats.record_failure(_error_code(code))
+                _LOAD.fire(self, load, L_LOCAL_FAIL, why)
         for req_id in finished_req_ids:
             load = self._loads.get(req_id)
             if load is not None:
@@ -276,8 +329,18 @@ class DecodeSide:
         return self.stats.take()
 
     def close(self) -> None:
-        """Close the worker (and its backend)."""
+        """Close the claim client and the worker (and its backend)."""
+        if self._claims is not None:
+            self._claims.close()
         self.worker.close()
+
+
+def _error_code(code: int) -> ErrorCode:
+    """A peer's numeric error code as an :class:`ErrorCode` (UNKNOWN for a newer one)."""
+    try:
+        return ErrorCode(code)
+    except ValueError:
+        return ErrorCode.UNKNOWN
 
 
 # -- the table drives the action: each declared effect bound to its handler ----------------

@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Final
 
+from rd2h_protocol.claim import Claim, ClaimAnswer
 from rd2h_protocol.errors import (
     ConfigError,
     ErrorCode,
@@ -18,10 +19,12 @@ from rd2h_protocol.errors import (
     ProtocolError,
     TransferError,
 )
+from rd2h_protocol.events import Chunk
 from rd2h_protocol.machines import NO_EFFECT, no_effect
 from rd2h_protocol.producer import DecodeTarget, ProducerConfig, RequestFinished
 from rd2h_protocol.topology import chunk_block_range, layer_number, wire_layer_indices
-from rd2h_runtime.control import ControlOptions
+from rd2h_runtime.claims import ClaimDoor
+from rd2h_runtime.control import ControlError, ControlOptions
 from rd2h_runtime.prefill import PrefillWorker
 from rd2h_runtime.transfer import TransferBackend
 from rd2h_vllm.config import Rd2hConfig
@@ -69,6 +72,22 @@ class _PendingAbort:
     child: SendAbort
     target: DecodeTarget
     give_up_at: float  # Decode's load timeout has failed the child by then
+
+
+@dataclass(slots=True)
+class _Keep:
+    """A Prefill-first request: its final step's blocks, kept for the Decode that claims
+    them (see :meth:`PrefillSide.end_step` and :meth:`PrefillSide._on_claim`)."""
+
+    req_id: str
+    ext_id: str
+    main_block_ids: list[int]
+    indexer_block_ids: list[int] | None
+    num_tokens: int
+    kept: bool = False  # the endpoint keeps it
+    refusal: str = ""  # why the endpoint would not keep it
+    ended: bool = False  # the endpoint finished it (read, unclaimed) or never kept it
+    vllm_finished: bool = False  # vLLM listed it finished: its blocks wait for us
 
 
 @dataclass(slots=True)
@@ -160,11 +179,13 @@ class PrefillSide:
         backend: TransferBackend,
         events: DeviceEvents,
         compat: str,
+        host: str,
         control_options: ControlOptions | None = None,
     ) -> None:
         self.config = config
         self.groups = groups
         self._events = events
+        self._rank = tp.rank
         self._layers = [layer.name for layer in layers]
         self._index = {name: i for i, name in enumerate(self._layers)}
         # Layer numbers (the N of ``layers.N``, else the position: what a readiness
@@ -186,6 +207,11 @@ class PrefillSide:
         self._top = -1
         self._gate_timeout_s = 2 * config.lease_ms / 1000.0 + 10.0
         self._publisher = _Publisher()
+        # Prefill-first: requests kept for their Decode's claim (the door's thread reads
+        # them too: _keep_lock), and this step's to keep once its layers are written.
+        self._keep_lock = threading.Lock()
+        self._keeps: dict[str, _Keep] = {}  # by external id
+        self._to_keep: list[_Keep] = []
         self.worker = PrefillWorker(
             ProducerConfig(
                 p_rank=tp.rank,
@@ -198,6 +224,7 @@ class PrefillSide:
                 compat=compat,
                 handshake_timeout_s=config.handshake_timeout_s,
                 silent_peer_timeout_s=config.silent_peer_timeout_s,
+                claim_timeout_s=config.claim_timeout_s,
             ),
             backend,
             control_options=control_options,
@@ -205,6 +232,21 @@ class PrefillSide:
             name=f"rd2h-p{tp.rank}",
             trace_dir=config.trace_dir,
         )
+        self.door: ClaimDoor | None = ClaimDoor(
+            host, config.base_port + tp.rank, self._on_claim, options=control_options
+        )
+        try:
+            self.door.start()
+        except ControlError as exc:
+            # Decode-first still works; Prefill-first requests are refused (end_step).
+            logger.error(
+                "RD2H Prefill TP rank %d: cannot open its claim port: %s; requests sent by a "
+                "standard router (Prefill-first) will not be transferred: set kv_port in "
+                "--kv-transfer-config to a free port (rank r uses kv_port + r)",
+                tp.rank,
+                exc,
+            )
+            self.door = None
 
     # -- introspection ---------------------------------------------------------------------
 
@@ -219,7 +261,12 @@ class PrefillSide:
 
     def is_idle(self) -> bool:
         """Nothing tracked here nor in the endpoint."""
-        return not self._sends and not self._pending_aborts and self.worker.is_idle()
+        return (
+            not self._sends
+            and not self._pending_aborts
+            and not self._keeps
+            and self.worker.is_idle()
+        )
 
     def published(self) -> frozenset[int]:
         """Wire indices of the layers published so far in the current step."""
@@ -259,6 +306,18 @@ class PrefillSide:
         self._published.clear()
         self._top = -1
         for send in meta.sends:
+            if send.target is None:
+                if send.final:  # computed in this step: kept once its layers are written
+                    self._to_keep.append(
+                        _Keep(
+                            send.req_id,
+                            send.ext_id,
+                            send.main_block_ids,
+                            send.indexer_block_ids,
+                            send.computed_tokens,
+                        )
+                    )
+                continue
             state = self._sends.get(send.req_id)
             if state is None:
                 state = self._register(send)
@@ -273,6 +332,7 @@ class PrefillSide:
             self._pending_aborts.append(_PendingAbort(child, target, give_up_at))
 
     def _register(self, send: SendSpec) -> _Send:
+        assert send.target is not None  # a Prefill-first send is kept instead (bind)
         target = _endpoint_target(send.target)
         registered = True
         try:
@@ -330,7 +390,7 @@ class PrefillSide:
             return
         main = send.main_block_ids[ms:me]
         ext, final = state.ext_id, send.final
-        if main or indexer or final:
+        if (main or indexer or final) and send.target is not None:
             # A publication will name the request: it opens the connection to its Decode.
             self._contacted.add(_endpoint_target(send.target))
 
@@ -396,8 +456,117 @@ class PrefillSide:
         if self._step_active:
             self._step_active = False
             self._publisher.run(self.worker.end_step)
+        for keep in self._to_keep:
+            with self._keep_lock:
+                self._keeps[keep.ext_id] = keep
+            self._publisher.run(functools.partial(self._keep, keep))
+        self._to_keep = []
         if self._pending_aborts:
             self._abort_reachable_children()
+
+    # -- Prefill-first -----------------------------------------------------------------------
+
+    def _keep(self, keep: _Keep) -> None:
+        """Keep a computed Prefill-first request in the endpoint for its Decode's claim."""
+        why = "" if self.door is not None else "this rank's claim port is not open"
+        if not why:
+            try:
+                self.worker.keep_request(keep.ext_id)
+            except ProtocolError as exc:
+                why = exc.message
+                self.stats.record_failure(exc.code)
+        with self._keep_lock:
+            keep.kept = not why
+            keep.refusal = why
+            keep.ended = bool(why)
+        if why:
+            logger.error(
+                "request %s (Prefill-first, from a standard router): not kept for its Decode: "
+                "%s; the Decode's claim will be refused",
+                keep.req_id,
+                why,
+            )
+
+    def _on_claim(self, claim: Claim) -> ClaimAnswer:
+        """A Decode claims a kept request (the door's I/O thread): publish it to that
+        Decode now, every layer at once."""
+        with self._keep_lock:
+            keep = self._keeps.get(claim.request_id)
+            kept = keep is not None and keep.kept
+        if keep is not None and not kept and not keep.refusal:
+            # Its step's layers are still being published: let them go first.
+            self._publisher.drain(self._gate_timeout_s)
+        target = DecodeTarget(claim.host, claim.port, claim.tp_size)
+        refusal = keep.refusal if keep is not None else ""
+        if keep is not None and not refusal and claim.num_tokens != keep.num_tokens:
+            refusal = (
+                f"the claim is for a prompt of {claim.num_tokens} tokens, Prefill computed "
+                f"{keep.num_tokens} (another tokenizer or prompt?)"
+            )
+        if refusal:
+            return ClaimAnswer(
+                request_id=claim.request_id,
+                ok=False,
+                code=int(ErrorCode.UNKNOWN_REQUEST),
+                message=refusal,
+            )
+        chunk = Chunk(ext_req_id=claim.request_id, main_block_ids=[], final=True)
+        if keep is not None:
+            try:
+                chunk = self._claimed_chunk(keep, claim.cached_tokens)
+            except ProtocolError as exc:
+                return ClaimAnswer(
+                    request_id=claim.request_id, ok=False, code=int(exc.code), message=exc.message
+                )
+        answer = self.worker.claim(claim.request_id, target, chunk)
+        if not answer.ok:
+            logger.warning(
+                "claim of %s by Decode %s:%d refused: %s",
+                claim.request_id,
+                claim.host,
+                claim.port,
+                answer.message,
+            )
+        return ClaimAnswer(
+            request_id=claim.request_id,
+            ok=answer.ok,
+            code=int(answer.code or 0),
+            message=answer.message,
+        )
+
+    def _claimed_chunk(self, keep: _Keep, cached_tokens: int) -> Chunk:
+        """The kept request's blocks past what the claiming Decode holds already."""
+        groups = self.groups
+        ms, me = chunk_block_range(
+            remote_cached_tokens=cached_tokens,
+            transferred_tokens=0,
+            computed_tokens=keep.num_tokens,
+            block_size=groups.block_sizes[groups.main],
+            allocated_blocks=len(keep.main_block_ids),
+            final=True,
+        )
+        indexer: list[int] = []
+        i_start = 0
+        if keep.indexer_block_ids is not None and groups.indexer is not None:
+            i_start, i_end = chunk_block_range(
+                remote_cached_tokens=cached_tokens,
+                transferred_tokens=0,
+                computed_tokens=keep.num_tokens,
+                block_size=groups.block_sizes[groups.indexer],
+                allocated_blocks=len(keep.indexer_block_ids),
+                final=True,
+            )
+            indexer = keep.indexer_block_ids[i_start:i_end]
+        elif keep.indexer_block_ids is not None:
+            indexer, i_start = keep.indexer_block_ids[ms:me], ms
+        return Chunk(
+            ext_req_id=keep.ext_id,
+            main_block_ids=keep.main_block_ids[ms:me],
+            indexer_block_ids=indexer,
+            main_start=ms,
+            indexer_start=i_start,
+            final=True,
+        )
 
     def _abort_reachable_children(self) -> None:
         """Abort pending prompt-list children toward Decode engines a publication reached.
@@ -464,7 +633,11 @@ class PrefillSide:
     def get_finished(self, finished_req_ids: Iterable[str]) -> set[str]:
         """Requests whose blocks vLLM may free now (``finished_sending``)."""
         aborts: list[str] = []
+        kept_by_req = {k.req_id: k for k in self._keeps.values()}
         for req_id in finished_req_ids:
+            keep = kept_by_req.get(req_id)
+            if keep is not None:
+                keep.vllm_finished = True
             state = self._sends.get(req_id)
             if state is None:
                 continue
@@ -474,6 +647,9 @@ class PrefillSide:
         with self._lock:
             finished, self._finished = self._finished, []
         for f in finished:
+            if f.ext_req_id in self._keeps:
+                self._kept_finished(self._keeps[f.ext_req_id], f)
+                continue
             owner = self._by_ext.get(f.ext_req_id)
             state = self._sends.get(owner) if owner is not None else None
             if state is None:
@@ -487,7 +663,24 @@ class PrefillSide:
             state = self._sends.pop(req_id)
             if self._by_ext.get(state.ext_id) == req_id:  # it was registered
                 del self._by_ext[state.ext_id]
+        with self._keep_lock:
+            over = [k for k in self._keeps.values() if k.ended and k.vllm_finished]
+            for keep in over:
+                del self._keeps[keep.ext_id]
+        done.update(k.req_id for k in over)
         return done
+
+    def _kept_finished(self, keep: _Keep, finished: RequestFinished) -> None:
+        """The endpoint finished a kept request: read by its Decode, or never claimed."""
+        with self._keep_lock:
+            keep.ended = True
+        if not finished.ok:
+            self.stats.record_failure(finished.code or ErrorCode.UNKNOWN)
+            logger.warning(
+                "request %s (Prefill-first): KV not delivered: %s; its blocks are freed",
+                keep.req_id,
+                finished.message,
+            )
 
     def _fx_abort(self, state: _Send, aborts: list[str]) -> None:
         """Abort it toward its Decode (:data:`VLLM_SEND`'s effect): with the other ``aborts``
@@ -505,7 +698,9 @@ class PrefillSide:
         return self.stats.take()
 
     def close(self) -> None:
-        """Stop publishing; close the worker (and its backend)."""
+        """Stop publishing; close the claim door and the worker (and its backend)."""
+        if self.door is not None:
+            self.door.close()
         self._publisher.drain(5.0)
         self._publisher.close()
         self.worker.close()
