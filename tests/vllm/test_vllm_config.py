@@ -95,7 +95,7 @@ def test_guide_prefill_multiconnector_json_finds_our_entry() -> None:
     cfg = parse_config(GUIDE_PREFILL, parallel={"tensor_parallel_size": 8}, device_type="npu")
     assert cfg.is_producer
     assert cfg.transfer_backend == "memfabric"
-    assert cfg.base_port is None  # Prefill binds no control port
+    assert cfg.base_port == cfg.kv_port  # Prefill TP rank r: claim port kv_port + r
     assert cfg.tp_size == 8
 
 

@@ -123,6 +123,7 @@ def halves() -> Iterator[tuple[PrefillSide, DecodeSide, dict[str, Any], dict[str
             backend=create_backend("loopback", role="prefill"),
             events=device_events("cpu"),
             compat="test",
+            host="127.0.0.1",
             control_options=CONTROL,
         )
         try:
