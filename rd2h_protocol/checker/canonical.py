@@ -132,9 +132,10 @@ from typing import Any, Final, TypeAlias
 
 import msgspec
 
-from rd2h_protocol.checker.model import Frame
+from rd2h_protocol.checker.model import CLAIM_KINDS, Frame
 from rd2h_protocol.checker.snapshot import _connection_of, _share
 from rd2h_protocol.checker.world import World
+from rd2h_protocol.claim import decode_claim, decode_claim_answer
 from rd2h_protocol.consumer import ConsumerEndpoint
 from rd2h_protocol.plan import ReadPlan
 from rd2h_protocol.producer import ProducerEndpoint
@@ -360,6 +361,7 @@ def _canon_world(world: Any) -> _Canon:
             rank.session,
             rank.next_layer,
             _sorted([_canon(c) for c in rank.chunks.items() if c[0] in live]),
+            _canon(rank.computing),  # Prefill-first prompts under way
         )
         for rank, prod in zip(world.ranks, world.producers, strict=True)
         for live in (prod.requests(),)
@@ -371,6 +373,8 @@ def _canon_frame(frame: Frame) -> _Canon:
     """A frame as what its receiver acts on: texts (reasons, error messages) and the send
     time of frames without a delivery bound change nothing."""
     head = (frame.src, frame.dst)
+    if frame.kind in CLAIM_KINDS:
+        return (head, *_claim_form(frame))
     if frame.kind in _REPLY_KINDS:
         if _RENAME:  # a renaming reaches inside: nothing cached
             return (head, *_reply_form(frame))
@@ -407,6 +411,16 @@ def _reply_form(frame: Frame) -> tuple[_Canon, ...]:
     return ("done", done.layer_idx, done.seq, isolated)
 
 
+def _claim_form(frame: Frame) -> tuple[_Canon, ...]:
+    """A claim as what Prefill acts on (the request it names; the rest is the same in
+    every claim of that request: its Decode, its prompt length), an answer as what Decode
+    acts on (the request, accepted or not; its text is reported, never acted on)."""
+    if frame.kind == "Claim":
+        return ("claim", _canon(decode_claim(frame.data).request_id))
+    answer = decode_claim_answer(frame.data)
+    return ("claim answer", _canon(answer.request_id), answer.ok)
+
+
 def _readiness_seq(data: bytes) -> int | None:
     if data not in _SEQS:
         msg = decode(data)
@@ -424,7 +438,7 @@ _BUILT_FORMS: dict[int, _Canon] = {}
 def _canon_producer(prod: Any) -> _Canon:
     form = _KNOWN_FORMS.get(id(prod))
     if form is None:
-        live = set(prod._pubs) | set(prod._handshakes)
+        live = set(prod._pubs) | set(prod._handshakes) | set(prod._kept_timers)
         # The timer heap is lazy: only its live entries matter, in deadline order.
         timers = tuple(sorted((t - _NOW[0], uid) for t, uid in prod._timers if uid in live))
         form = (_canon_vars(prod), timers)
@@ -596,7 +610,12 @@ def _renamings(world: World) -> list[dict[object, object]]:
     cfg = world.cfg
     classes: dict[tuple[object, ...], list[str]] = {}
     for spec in cfg.requests:
-        key = (spec.engine, spec.chunks, spec.ext_id in cfg.late_decode)
+        key = (
+            spec.engine,
+            spec.chunks,
+            spec.ext_id in cfg.late_decode,
+            spec.ext_id in cfg.prefill_first,
+        )
         classes.setdefault(key, []).append(spec.ext_id)
     groups = [ids for ids in classes.values() if len(ids) > 1]
     renamings: list[dict[object, object]] = []

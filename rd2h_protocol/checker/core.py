@@ -20,8 +20,11 @@ from __future__ import annotations
 from rd2h_protocol.checker import footprint
 from rd2h_protocol.checker.invariants import (
     InvariantViolation,
+    check_claim_answer,
     check_done_on_rank,
     check_idle,
+    check_kept_read_may_start,
+    check_kept_settled,
     check_quiescent,
     check_read_may_start,
     check_release,
@@ -31,6 +34,7 @@ from rd2h_protocol.checker.invariants import (
 from rd2h_protocol.checker.model import (
     BASE_PORT,
     BLOCK_LEN,
+    CLAIMS,
     COMPONENTS,
     FIRST_DECODE_BLOCK,
     FIRST_PREFILL_BLOCK,
@@ -53,6 +57,14 @@ from rd2h_protocol.checker.model import (
     _Static,
     layer_name,
 )
+from rd2h_protocol.claim import (
+    CLAIM_VERSION,
+    Claim,
+    ClaimAnswer,
+    decode_claim,
+    decode_claim_answer,
+    encode_claim,
+)
 from rd2h_protocol.completion import CrossRankCompletion, RankReport
 from rd2h_protocol.consumer import (
     ConsumerConfig,
@@ -65,7 +77,7 @@ from rd2h_protocol.consumer import (
     StartRead,
 )
 from rd2h_protocol.consumer import Output as ConsumerOutput
-from rd2h_protocol.events import Chunk
+from rd2h_protocol.events import Chunk, ClaimAnswered
 from rd2h_protocol.producer import (
     DecodeTarget,
     Disconnect,
@@ -75,6 +87,7 @@ from rd2h_protocol.producer import (
     Send,
 )
 from rd2h_protocol.producer import Output as ProducerOutput
+from rd2h_protocol.topology import group_members
 from rd2h_protocol.wire.codec import encode
 from rd2h_protocol.wire.layout import ComponentDest, DestinationLayout, LayerLayout
 from rd2h_protocol.wire.messages import Abort, ReadDone, ReadFailed, ReadReadyBatch
@@ -184,6 +197,11 @@ class WorldCore:
         self._released: set[tuple[int, int, str]] = set()
         self._prefill_finished: set[tuple[str, str]] = set()
         self._aborted_to: set[tuple[str, str, str]] = set()
+        # Prefill-first: requests kept on a Prefill incarnation and not finished there
+        # (session, ext id) -> claimed; claims a Decode rank waits to have answered
+        # (engine, Decode rank, ext id, Prefill session).
+        self._kept: dict[tuple[str, str], bool] = {}
+        self._claims: set[tuple[int, int, str, str]] = set()
 
     # -- construction ----------------------------------------------------------------------
 
@@ -203,6 +221,7 @@ class WorldCore:
                 protocol=self.cfg.prefill_protocol,
                 v1_lease_expiry=self.cfg.v1_lease_expiry,
                 silent_peer_timeout_s=self.cfg.silent_peer_timeout_s,
+                claim_timeout_s=self.cfg.claim_timeout_s,
             )
         assert isinstance(config, ProducerConfig)
         return ProducerEndpoint(config)
@@ -270,20 +289,71 @@ class WorldCore:
             spec, pmain, pidx, dmain, didx, self._engine_gens[spec.engine]
         )
 
+    def may_decode_add(self, ext: str) -> bool:
+        """Whether Decode may allocate ``ext`` now: a Prefill-first request only once every
+        Prefill rank kept it (the router has Prefill's answer, which names where it is)."""
+        if ext not in self.cfg.prefill_first:
+            return True
+        return self.reqs[ext].kept_ranks == self.cfg.p_tp
+
     def decode_add(self, ext: str) -> None:
-        """Decode engine allocates the request's destinations on every rank."""
+        """Decode engine allocates the request's destinations on every rank (and, for a
+        Prefill-first request, each rank claims it from the Prefill ranks that serve it)."""
         req = self.reqs[ext]
         req.decode_added = True
         e = req.spec.engine
         for d in range(self.cfg.engines[e]):
             outs = self.consumers[(e, d)].add_request(ext, req.dmain, req.didx, self.now)
             self._consumer_outputs(e, d, outs)
+        if ext in self.cfg.prefill_first:
+            self._send_claims(ext)
         self._gather()
 
+    def _send_claims(self, ext: str) -> None:
+        """Each Decode rank of ``ext``'s engine claims it from every Prefill rank that serves
+        it, at the claim port of that rank (whichever incarnation listens there now)."""
+        req = self.reqs[ext]
+        e = req.spec.engine
+        d_tp = self.cfg.engines[e]
+        target = self.target(e)
+        for d in range(d_tp):
+            claim = Claim(
+                version=CLAIM_VERSION,
+                request_id=ext,
+                engine_id=f"decode{e}",
+                host=target.host,
+                port=target.base_port,
+                tp_size=d_tp,
+                cached_tokens=0,
+                num_tokens=sum(req.spec.chunks),
+            )
+            for p in group_members(d, self.cfg.p_tp, d_tp):
+                # Decode acts on Prefill's answer (the router's second step): it read what
+                # every rank's keep wrote.
+                footprint.touch(footprint.agent("P", p))
+                session = self.ranks[p].session
+                self._claims.add((e, d, ext, session))
+                self.transmit(
+                    Frame(
+                        ("D", self.conn_name(e, d) + CLAIMS),
+                        ("P", session + CLAIMS),
+                        encode_claim(claim),
+                        self.now,
+                        None,
+                        "Claim",
+                    )
+                )
+
     def prefill_add(self, ext: str) -> None:
-        """The proxy dispatches the request to Prefill: every live rank registers it."""
+        """The proxy dispatches the request to Prefill: every live rank registers it (a
+        Prefill-first request: every live rank starts computing its prompt, for no Decode)."""
         req = self.reqs[ext]
         req.prefill_added = True
+        if ext in self.cfg.prefill_first:
+            for p, rank in enumerate(self.ranks):
+                footprint.touch(footprint.agent("P", p))
+                rank.computing[ext] = 0
+            return
         for p, prod in enumerate(self.producers):
             self._producer_outputs(p, prod.add_request(ext, self.target(req.spec.engine), self.now))
 
@@ -310,6 +380,8 @@ class WorldCore:
         req = self.reqs[ext]
         req.released = True
         e = req.spec.engine
+        if self._claims:  # its claim answers no longer matter
+            self._claims = {c for c in self._claims if c[0] != e or c[2] != ext}
         for d in range(self.cfg.engines[e]):
             outs = self.consumers[(e, d)].release(ext, self.now)
             self._consumer_outputs(e, d, outs)
@@ -324,6 +396,9 @@ class WorldCore:
         for ext, state in self.producers[p].requests().items():
             k = rank.chunks.get(ext, 0)
             if state in ("registered", "sending") and k < len(self.reqs[ext].spec.chunks):
+                out.append((ext, k))
+        for ext, k in rank.computing.items():
+            if k < len(self.reqs[ext].spec.chunks):
                 out.append((ext, k))
         return out
 
@@ -343,6 +418,9 @@ class WorldCore:
         layer = rank.next_layer
         if layer == 0:
             for ext, k in self._step_chunks(p):
+                if ext in rank.computing:  # Prefill-first: computed for no Decode yet
+                    rank.computing[ext] = k + 1
+                    continue
                 req = self.reqs[ext]
                 start = sum(req.spec.chunks[:k])
                 end = start + req.spec.chunks[k]
@@ -358,7 +436,11 @@ class WorldCore:
                 prod.schedule_chunk(chunk, self.now)
                 rank.chunks[ext] = k + 1
         self._version += 1
+        # The requests whose blocks this rank holds: registered, kept (Prefill-first), or
+        # being computed for a Decode that will claim them.
         owners = frozenset(prod.requests())
+        if rank.computing or self._kept:
+            owners = owners | frozenset(prod.kept()) | frozenset(rank.computing)
         footprint.touch(footprint.storage_write(rank.session))
         for base in _prefill_bases(layer % self.cfg.n_storages):
             self.pmem[(rank.session, base)] = (layer, self._version, owners)
@@ -367,7 +449,81 @@ class WorldCore:
         if rank.next_layer == self.cfg.n_layers:
             rank.next_layer = 0
             self._producer_outputs(p, prod.end_step(self.now))
+            self._keep_computed(p)
         self._gather()
+
+    def _keep_computed(self, p: int) -> None:
+        """Prefill-first: rank ``p`` keeps every request whose last chunk its step computed."""
+        rank, prod = self.ranks[p], self.producers[p]
+        for ext, k in sorted(rank.computing.items()):
+            req = self.reqs[ext]
+            if k == len(req.spec.chunks):
+                del rank.computing[ext]
+                self._producer_outputs(p, prod.keep_request(ext, self.now))
+                self._kept[(rank.session, ext)] = False
+                req.kept_ranks += 1
+
+    def claim_delivered(self, p: int, frame: Frame) -> None:
+        """Prefill rank ``p``'s runtime got a claim: it hands the endpoint the request's
+        blocks (all of them: the model's Decode holds no prefix) and sends the answer back
+        to the claiming Decode rank."""
+        prod, session = self.producers[p], self.ranks[p].session
+        claim = decode_claim(frame.data)
+        ext = claim.request_id
+        req = self.reqs[ext]
+        chunk = Chunk(
+            ext_req_id=ext,
+            main_block_ids=req.pmain,
+            indexer_block_ids=req.pidx,
+            main_start=0,
+            indexer_start=0,
+            final=True,
+        )
+        before = prod.kept().get(ext)
+        target = DecodeTarget(claim.host, claim.port, claim.tp_size)
+        outs = prod.claim(ext, target, chunk, self.now)
+        for o in outs:
+            if isinstance(o, ClaimAnswered):
+                check_claim_answer(session, ext, before, o.ok)
+                if o.ok:
+                    self._kept[(session, ext)] = True
+                answer = ClaimAnswer(
+                    request_id=o.ext_req_id,
+                    ok=o.ok,
+                    code=0 if o.code is None else int(o.code),
+                    message=o.message,
+                )
+                self.transmit(
+                    Frame(
+                        ("P", session + CLAIMS),
+                        frame.src,
+                        encode_claim(answer),
+                        self.now,
+                        None,
+                        "ClaimAnswer",
+                    )
+                )
+        self._producer_outputs(p, outs)
+
+    def claim_answered(self, e: int, d: int, frame: Frame) -> None:
+        """Decode rank ``d`` of engine ``e`` got a claim's answer: a refusal of a claim it
+        waits for fails the request on every rank of the engine (as vLLM fails a request
+        whose KV cannot load); an answer it does not wait for (a duplicate, one after its
+        request ended) is ignored, as the runtime's claim client does."""
+        footprint.touch(footprint.agent("D", e))
+        answer = decode_claim_answer(frame.data)
+        ext = answer.request_id
+        key = (e, d, ext, frame.src[1].removesuffix(CLAIMS))
+        if key not in self._claims:
+            return
+        self._claims.discard(key)
+        req = self.reqs[ext]
+        if answer.ok or not req.decode_added or req.abandoned or req.released or req.finished:
+            return
+        req.decode_aborted = True
+        for rank in range(self.cfg.engines[e]):
+            outs = self.consumers[(e, rank)].abort([ext], "claim refused by Prefill", self.now)
+            self._consumer_outputs(e, rank, outs)
 
     # -- the network (sending; delivery is NetworkWorld's) -------------------------------
 
@@ -411,6 +567,10 @@ class WorldCore:
                 if key in self._prefill_finished:
                     raise InvariantViolation("B1", f"{session} finished {o.ext_req_id} twice")
                 self._prefill_finished.add(key)
+                if self._kept and self._kept.pop(key, None) is False and o.ok:
+                    raise InvariantViolation(
+                        "L1", f"{session} finished kept {o.ext_req_id} ok, never claimed"
+                    )
 
     def _consumer_outputs(self, e: int, d: int, outs: list[ConsumerOutput]) -> None:
         footprint.touch(footprint.agent("D", e))
@@ -544,6 +704,12 @@ class WorldCore:
             check_read_may_start(
                 self.conn_name(e, d), rid, read.plan.session, self.producers[src], read.layer
             )
+            if self.cfg.prefill_first:
+                kept = [r.ext_req_id for r in read.plan.requests]
+                kept = [x for x in kept if x in self.cfg.prefill_first]
+                check_kept_read_may_start(
+                    self.conn_name(e, d), rid, read.plan.session, self.producers[src], kept
+                )
             for r in read.plan.requests:
                 if (e, d, r.ext_req_id) in self._released:
                     raise InvariantViolation("S3", f"read {rid} targets released {r.ext_req_id}")
@@ -557,6 +723,8 @@ class WorldCore:
             raise InvariantViolation(
                 "L1", f"{len(self.network)} frames, {len(self.reads)} reads left"
             )
+        if self.cfg.prefill_first:
+            check_kept_settled(self._producers_by_session(), self._kept)
         check_quiescent(self._producers_by_session(), self._consumers_by_name())
         for ext, req in self.reqs.items():
             if req.decode_added and not req.abandoned and not req.finished and not req.released:

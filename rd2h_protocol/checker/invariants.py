@@ -44,13 +44,19 @@ INVARIANTS: Final[tuple[Invariant, ...]] = (
         "lease expired AND either the abort was sent to a peer the lease bounds or the peer "
         "was declared dead: no Decode read can start after Prefill reuses the buffer. A peer "
         "that cannot receive an abort (v1), or whose reads no lease bounds (a v2 Decode "
-        "without the lease capability), holds the gate until it replies or is declared dead.",
+        "without the lease capability), holds the gate until it replies or is declared dead. "
+        "A request Prefill keeps for the Decode that will claim it (Prefill-first) is "
+        "published once at most, to the first claim it accepts, and no read of its blocks "
+        "can start once Prefill finished it (its blocks may then be freed).",
         (
             "a Decode never starts a read after it replied for that readiness, nor after "
             "it received an ABORT for its requests (v2) or half the lease passed since receipt",
             "replies are matched by seq toward v2 peers, by layer toward v1 peers",
             "the runtime declares a peer dead only once its connection is gone, or once it "
             "sent nothing at all for silent_peer_timeout_s while it held storage",
+            "Prefill-first: the runtime leaves a kept request's blocks untouched until "
+            "RequestFinished names it, and its layers live in storage of their own (a "
+            "Prefill whose layers share storage refuses to keep a request)",
         ),
         (
             'v1_lease_expiry="reopen" toward a v1 Decode: the gate reopens at lease expiry '
@@ -100,10 +106,16 @@ INVARIANTS: Final[tuple[Invariant, ...]] = (
         "L1",
         "liveness",
         "Once the network drains, time passes every lease and the runtime declares silent "
-        "peers dead, every gate is open and every request is terminal, on both sides.",
+        "peers dead, every gate is open and every request is terminal, on both sides. A "
+        "request Prefill keeps for a Decode's claim (Prefill-first) ends too: read by the "
+        "Decode whose claim it accepted, or finished unread (not ok) once its claim window "
+        "ran out, when no claim came (the Decode never came, or its claim was lost).",
         (
             "time advances and timers fire",
             "a peer that stops answering is eventually declared dead by the runtime",
+            "a Prefill that dies takes the requests it kept with it (their blocks are gone "
+            "with its process); a Decode whose claim is refused fails its request, and one "
+            "whose claim or answer never arrives fails it at its load timeout",
         ),
         (
             "with silent_peer_timeout_s=None, a v1 Decode that keeps its connection (libzmq "
@@ -180,6 +192,62 @@ def check_read_may_start(
                 f"{session} slot {slot} is open while Decode {reader} may still start read "
                 f"{read_id} of layer {layer}",
             )
+
+
+def check_claim_answer(session: str, ext: str, before: str | None, accepted: bool) -> None:
+    """S1 (Prefill-first): Prefill ``session`` accepts a claim of ``ext`` only while it keeps
+    it unclaimed (kept request state ``before`` the claim was ``waiting``): a request is
+    published once, to the first claim; a repeat, a second Decode, or a claim of a request
+    it never kept or finished already is refused.
+
+    Assumes the runtime hands each claim to the endpoint of the Prefill incarnation that
+    received it, with the request's blocks as that incarnation kept them."""
+    if accepted and before != "waiting":
+        raise InvariantViolation(
+            "S1",
+            f"{session} accepted a claim of {ext} in kept state {before!r}: published "
+            "again, or publishing blocks it no longer holds",
+        )
+
+
+def check_kept_read_may_start(
+    reader: str, read_id: int, session: str, producer: ProducerEndpoint, kept: Iterable[str]
+) -> None:
+    """S1 (Prefill-first) for a read that Decode ``reader`` may still start: each request of
+    ``kept`` (the Prefill-first requests it reads) is still a request of Prefill
+    ``session``, which then holds its blocks; once Prefill finished it (read, aborted, or
+    its claim window ran out) the runtime may free and reuse them.
+
+    Assumes the runtime frees a kept request's blocks only once ``RequestFinished`` names
+    it (and the gate check, :func:`check_read_may_start`, covers the storage itself)."""
+    held = producer.requests()
+    for ext in kept:
+        if ext not in held:
+            raise InvariantViolation(
+                "S1",
+                f"Decode {reader} may still start read {read_id} of kept request {ext} from "
+                f"{session}, which finished it (its blocks may be freed)",
+            )
+
+
+def check_kept_settled(
+    producers: Mapping[str, ProducerEndpoint], kept: Mapping[tuple[str, str], bool]
+) -> None:
+    """L1 (Prefill-first) once everything settled: no live Prefill incarnation keeps a
+    request (claimed and read, or its claim window ran out), and every request one kept
+    was finished there (``kept``: ``(session, ext) -> claimed`` of the requests kept and
+    not finished yet, as the model world records them; a dead incarnation's are gone
+    with it).
+
+    Assumes time advances past every claim window (``ProducerConfig.claim_timeout_s``)."""
+    for session, prod in producers.items():
+        waiting = prod.kept()
+        if waiting:
+            raise InvariantViolation("L1", f"{session} still keeps {waiting}")
+    for (session, ext), claimed in kept.items():
+        if session in producers:
+            what = "claimed" if claimed else "never claimed"
+            raise InvariantViolation("L1", f"{session} kept {ext} ({what}) and never finished it")
 
 
 def check_done_on_rank(where: str, ext: str, contributors: Collection[int], ratio: int) -> None:

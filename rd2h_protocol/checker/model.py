@@ -39,6 +39,11 @@ COMPONENTS: Final = ("k", "v", "indexer", "scale")
 BLOCK_LEN: Final = (64, 64, 16, 4)
 #: The smallest step of time the model takes (after a read's start_by, before a bound).
 TICK: Final = 0.001
+#: The suffix of the endpoint names of the claim exchange (Prefill-first): a Decode rank's
+#: claim client and a Prefill incarnation's claim port, each a connection of its own.
+CLAIMS: Final = "#claims"
+#: The frame kinds of the claim exchange (JSON frames of :mod:`rd2h_protocol.claim`).
+CLAIM_KINDS: Final = frozenset({"Claim", "ClaimAnswer"})
 #: What a failed read leaves in the first destination block it touched.
 GARBAGE: Final = ("garbage",)
 
@@ -110,6 +115,23 @@ class WorldConfig:
     explores past each violating state (without expanding it) and the configuration
     passes only if it finds exactly these (see :func:`~rd2h_protocol.checker.explore.explore`).
 
+    Prefill-first (:mod:`rd2h_protocol.claim`): ``prefill_first`` names requests (of
+    ``requests``) that a standard router sends to Prefill first, with no Decode named.
+    Every Prefill rank computes its prompt in ordinary steps (its layers written, nothing
+    published: no Decode is registered for it) and then keeps it
+    (``ProducerEndpoint.keep_request``) for ``claim_timeout_s`` (its
+    ``ProducerConfig.claim_timeout_s``). Once every rank kept it, the router has
+    Prefill's answer and Decode may allocate the request (``decode_add``): each Decode
+    rank then sends a claim to each Prefill rank that serves it, over a channel of its
+    own (the claim ports, :data:`CLAIMS`); the rank answers, and publishes every layer at
+    once when it accepts. A refused answer makes Decode fail the request (a local abort
+    on every rank of its engine); a claim or answer that never comes leaves Decode to
+    its load timeout (``kv_load_timeout_s``: the runtime's claim client answers a claim
+    left unanswered with a refusal too, only later than that in the model's timing, so
+    it is not modelled). A claim is a Decode->Prefill frame: ``drop`` loses it
+    ("Decode never comes"), ``dup`` delivers it twice ("Decode comes twice"). Keeping
+    needs one storage per layer (``n_storages == n_layers``).
+
     ``duplicate_on_delivery`` (explorer): a ``dup`` delivers the frame and queues a copy
     behind everything its connection holds then, instead of queueing the copy at any
     earlier instant (a reduction: "Duplicates made on delivery" in
@@ -140,6 +162,8 @@ class WorldConfig:
     silent_peer_timeout_s: float | None = None
     expect: tuple[str, ...] = ()
     duplicate_on_delivery: bool = True
+    prefill_first: tuple[str, ...] = ()
+    claim_timeout_s: float = 120.0
 
 
 @dataclass(slots=True)
@@ -157,6 +181,7 @@ class _Req:
     finished: bool = False
     load_error: bool = False
     abandoned: bool = False
+    kept_ranks: int = 0  # Prefill-first: Prefill ranks that kept it (all: the router knows)
 
 
 @dataclass(slots=True)
@@ -164,6 +189,9 @@ class _Rank:
     session: str
     next_layer: int = 0
     chunks: dict[str, int] = field(default_factory=dict)  # ext id -> chunks scheduled
+    # Prefill-first requests whose prompt this incarnation computes, not kept yet: ext id
+    # -> chunks computed (no Decode is registered for them: nothing is scheduled).
+    computing: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from rd2h_protocol.checker import footprint
 from rd2h_protocol.checker.core import WorldCore, _reply_key
-from rd2h_protocol.checker.model import Addr
+from rd2h_protocol.checker.model import CLAIM_KINDS, CLAIMS, Addr
 from rd2h_protocol.wire.codec import decode
 from rd2h_protocol.wire.messages import ReadReadyBatch
 
@@ -55,7 +55,15 @@ class NetworkWorld(WorldCore):
         """Deliver in-flight frame ``i`` to its destination."""
         f = self.network.pop(i)
         footprint.touch(footprint.take(f.src[1], f.dst[1]))
-        if f.dst[0] == "D":
+        if f.kind in CLAIM_KINDS:  # the claim exchange (Prefill-first): its own channel
+            if f.dst[0] == "D":
+                e, d = self.static.conn_rank[f.dst[1].removesuffix(CLAIMS)]
+                self.claim_answered(e, d, f)
+            else:
+                p = self.session_rank(f.dst[1].removesuffix(CLAIMS))
+                assert p is not None, "frames to dead sessions are purged"
+                self.claim_delivered(p, f)
+        elif f.dst[0] == "D":
             e, d = self.static.conn_rank[f.dst[1]]
             peer = f.src[1].encode()
             if f.kind == "ReadReadyBatch":

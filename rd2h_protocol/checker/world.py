@@ -61,8 +61,17 @@ import pickle
 from rd2h_protocol.checker import footprint
 from rd2h_protocol.checker.clock import TimedWorld
 from rd2h_protocol.checker.invariants import InvariantViolation
-from rd2h_protocol.checker.model import Action, RequestSpec, WorldConfig, _Rank
+from rd2h_protocol.checker.model import (
+    CLAIM_KINDS,
+    CLAIMS,
+    Action,
+    Frame,
+    RequestSpec,
+    WorldConfig,
+    _Rank,
+)
 from rd2h_protocol.checker.snapshot import _DISPATCH, _connection_of
+from rd2h_protocol.claim import decode_claim, decode_claim_answer
 from rd2h_protocol.completion import CrossRankCompletion
 from rd2h_protocol.errors import ErrorCode
 from rd2h_protocol.wire.codec import decode
@@ -90,7 +99,7 @@ class World(TimedWorld):
             self.new_request(spec)
         if cfg.upfront:
             for spec in cfg.requests:
-                if spec.ext_id not in cfg.late_decode:
+                if spec.ext_id not in cfg.late_decode and self.may_decode_add(spec.ext_id):
                     self.decode_add(spec.ext_id)
                 self.prefill_add(spec.ext_id)
 
@@ -103,7 +112,10 @@ class World(TimedWorld):
         see an error); Prefill learns through leases, UNKNOWN_SESSION and isolation.
         """
         conns = {self.conn_name(engine, d) for d in range(self.cfg.engines[engine])}
+        conns |= {conn + CLAIMS for conn in conns}  # its claim clients too
         self.network = [f for f in self.network if f.src[1] not in conns and f.dst[1] not in conns]
+        if self._claims:
+            self._claims = {c for c in self._claims if c[0] != engine}
         self.reads = {k: r for k, r in self.reads.items() if k[0] != engine}
         self._engine_gens[engine] += 1
         d_tp = self.cfg.engines[engine]
@@ -124,7 +136,10 @@ class World(TimedWorld):
     def kill_prefill(self, p: int) -> None:
         """Prefill rank ``p`` dies and restarts with a new session and no requests."""
         old = self.ranks[p].session
-        self.network = [f for f in self.network if f.src[1] != old and f.dst[1] != old]
+        gone = {old, old + CLAIMS}  # its claim port too
+        self.network = [f for f in self.network if f.src[1] not in gone and f.dst[1] not in gone]
+        if self._kept:  # what it kept died with it
+            self._kept = {k: v for k, v in self._kept.items() if k[0] != old}
         self._gens[p] += 1
         session = f"p{p}.{self._gens[p]}"
         self.ranks[p] = _Rank(session)
@@ -138,7 +153,12 @@ class World(TimedWorld):
         read, let every rank write, fire every timer, move time on; until nothing is left."""
         for _ in range(limit):
             for ext, req in self.reqs.items():
-                if not req.decode_added and not req.abandoned and not req.released:
+                if (
+                    not req.decode_added
+                    and not req.abandoned
+                    and not req.released
+                    and self.may_decode_add(ext)
+                ):
                     self.decode_add(ext)
                 if not req.prefill_added:
                     self.prefill_add(ext)
@@ -205,7 +225,7 @@ class World(TimedWorld):
             if self.can_write(p):
                 acts.append(("write", p))
         for ext, req in self.reqs.items():
-            if not req.decode_added and not req.abandoned:
+            if not req.decode_added and not req.abandoned and self.may_decode_add(ext):
                 acts.append(("decode_add", ext))
             if not req.prefill_added:
                 acts.append(("prefill_add", ext))
@@ -318,7 +338,8 @@ class World(TimedWorld):
         kind = action[0]
         if kind in ("deliver", "drop", "dup", "lose"):
             f = self.network[_int(action[1])]
-            return f"t={self.now:.3f} {kind} {f.src[1]} -> {f.dst[1]}: {_summary(decode(f.data))}"
+            what = _claim_summary(f) if f.kind in CLAIM_KINDS else _summary(decode(f.data))
+            return f"t={self.now:.3f} {kind} {f.src[1]} -> {f.dst[1]}: {what}"
         if kind == "read":
             key = action[1]
             assert isinstance(key, tuple)
@@ -362,6 +383,13 @@ class World(TimedWorld):
 def _int(value: object) -> int:
     assert isinstance(value, int)
     return value
+
+
+def _claim_summary(frame: Frame) -> str:
+    if frame.kind == "Claim":
+        return f"claim {decode_claim(frame.data).request_id}"
+    answer = decode_claim_answer(frame.data)
+    return f"claim answer {answer.request_id} " + ("accepted" if answer.ok else "refused")
 
 
 def _summary(msg: Message) -> str:
