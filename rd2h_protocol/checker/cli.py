@@ -110,7 +110,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--max-states",
         type=int,
         help="stop every configuration after this many distinct states (default: "
-        f"{VARIANT_STATES} for a NAME+FAULT variant, {DESIGNED_STATES} for the others)",
+        f"{VARIANT_STATES} for a NAME+FAULT variant, fewer for prefill-first's, "
+        f"{DESIGNED_STATES} for the others)",
     )
     parser.add_argument(
         "--budget",
