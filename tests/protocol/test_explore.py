@@ -5,6 +5,7 @@ bugs it found stay fixed (each pinned by a direct test of the endpoint).
 
 from __future__ import annotations
 
+import heapq
 import subprocess
 import sys
 from collections.abc import Callable
@@ -31,6 +32,7 @@ from rd2h_protocol.consumer import (
     StartRead,
 )
 from rd2h_protocol.errors import ErrorCode, TransferError
+from rd2h_protocol.events import Chunk
 from rd2h_protocol.machines.declare import TransitionDecl
 from rd2h_protocol.machines.producer import (
     EFFECT_REOPEN,
@@ -39,7 +41,8 @@ from rd2h_protocol.machines.producer import (
     GATE_OPEN,
     STORAGE_GATE,
 )
-from rd2h_protocol.producer import ProducerEndpoint
+from rd2h_protocol.producer import DecodeTarget, ProducerEndpoint
+from rd2h_protocol.producer import Output as ProducerOutput
 from rd2h_protocol.wire.codec import encode
 from rd2h_protocol.wire.layout import (
     ComponentDest,
@@ -261,6 +264,38 @@ def unfix_parked_completion(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(ConsumerEndpoint, "_named_by_parked", lambda self, ext: False)
 
 
+def plant_claim_window_never_armed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Planted bug (Prefill-first): a kept request's claim window is never armed, so a
+    request whose Decode never comes is kept for good."""
+    keep = ProducerEndpoint.keep_request
+
+    def keep_request(self: ProducerEndpoint, ext_req_id: str, now: float) -> list[ProducerOutput]:
+        out = keep(self, ext_req_id, now)
+        uid = self._kept[ext_req_id].uid
+        self._timers = [entry for entry in self._timers if entry[1] != uid]
+        heapq.heapify(self._timers)
+        return out
+
+    monkeypatch.setattr(ProducerEndpoint, "keep_request", keep_request)
+
+
+def plant_second_claim_accepted(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Planted bug (Prefill-first): a claim of a request claimed already is accepted again
+    (its KV published a second time, to whoever claims it)."""
+    claim = ProducerEndpoint.claim
+
+    def claim_again(
+        self: ProducerEndpoint, ext_req_id: str, target: DecodeTarget, chunk: Chunk, now: float
+    ) -> list[ProducerOutput]:
+        kept = self._kept.get(ext_req_id)
+        if kept is not None and kept.state == "claimed":
+            kept.state = "waiting"
+            self._kept_timers[kept.uid] = kept
+        return claim(self, ext_req_id, target, chunk, now)
+
+    monkeypatch.setattr(ProducerEndpoint, "claim", claim_again)
+
+
 @pytest.mark.parametrize("symmetry", [True, False], ids=["symmetry", "no-symmetry"])
 @pytest.mark.parametrize(
     ("plant", "config", "invariant"),
@@ -268,6 +303,8 @@ def unfix_parked_completion(monkeypatch: pytest.MonkeyPatch) -> None:
         (plant_early_gate, "two-engines", "S1"),
         (plant_first_contributor_completes, "tp2-d1", "S2"),
         (unfix_parked_completion, "parking", "S2"),
+        (plant_claim_window_never_armed, "prefill-first", "L1"),
+        (plant_second_claim_accepted, "prefill-first+dup", "S1"),
     ],
 )
 def test_explorer_catches_a_planted_bug_with_a_shortest_trace(
@@ -284,6 +321,26 @@ def test_explorer_catches_a_planted_bug_with_a_shortest_trace(
     # Breadth first: every shorter interleaving was explored without a violation.
     assert len(result.trace) == result.depth + 1
     assert 3 <= len(result.trace) <= 15, result.trace
+
+
+# -- Prefill-first -------------------------------------------------------------------------
+
+
+# Complete explorations of 9,792 and 8,024 states (~25 s of CPU for both): the default run
+# bounds these two variants low to fit its budget (configs._VARIANT_BOUNDS), so the suite
+# proves them here. The timeout only guards against a hang on a loaded machine.
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", ["prefill-first+dup", "prefill-first+abort"])
+def test_prefill_first_variants_are_explored_completely_without_violation(name: str) -> None:
+    result = explore(name, CONFIGS[name])
+    assert result.complete and result.passed and not result.found, result.trace
+    assert max_states_of(name) < result.states
+
+
+def test_prefill_first_is_explored_completely_by_default() -> None:
+    result = explore("prefill-first", CONFIGS["prefill-first"])
+    assert result.complete and result.passed and not result.found, result.trace
+    assert result.states <= max_states_of("prefill-first")
 
 
 # -- expected violations -------------------------------------------------------------------
