@@ -255,9 +255,13 @@ def group_cpu_s(proc: ManagedProcess) -> float:
     return total / tick
 
 
-def idle_cores(procs: Sequence[ManagedProcess], seconds: float = 1.0) -> list[float]:
+def idle_cores(
+    procs: Sequence[ManagedProcess], settle_s: float = 1.5, seconds: float = 1.0
+) -> list[float]:
     """Cores each process group keeps busy while no request is in flight (a spinning
-    progress thread shows here)."""
+    progress thread shows here), measured after ``settle_s``: vLLM's workers spin on
+    their shared-memory queue for 1 s after each step before they block."""
+    time.sleep(settle_s)
     before = [group_cpu_s(p) for p in procs]
     time.sleep(seconds)
     return [(group_cpu_s(p) - b) / seconds for p, b in zip(procs, before, strict=True)]
@@ -638,6 +642,21 @@ def schedule(args: argparse.Namespace) -> list[str]:
     return order
 
 
+def missing_software() -> str | None:
+    """What this benchmark needs and this environment lacks (None: nothing)."""
+    import importlib.util
+
+    from rd2h_vllm.serving.router import router_executable
+
+    if importlib.util.find_spec("vllm") is None:
+        return "vLLM (bash tools/install-vllm.sh)"
+    try:
+        router_executable()
+    except ServerError:
+        return "vllm-router (pip install vllm-router)"
+    return None
+
+
 def _terminate(signum: int, frame: FrameType | None) -> None:
     raise SystemExit(128 + signum)  # unwinds through every block's cleanup
 
@@ -652,6 +671,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.configs = ["rd2h-pf", "nixl", "rd2h-df"]
     if min(args.lengths) < 8 or max(args.lengths) > MAX_MODEL_LEN - args.max_tokens - 64:
         raise SystemExit(f"--lengths must be within 8..{MAX_MODEL_LEN - args.max_tokens - 64}")
+    missing = missing_software()
+    if missing is not None:
+        print(f"rd2h bench serving: skipped, needs {missing}")
+        return 0
     signal.signal(signal.SIGTERM, _terminate)
     load_before = machine_load()
     started = time.monotonic()
