@@ -2,7 +2,7 @@
 
 Run from the repository root (``rd2h bench serving`` runs the same)::
 
-    python -m benchmarks.bench_serving            # about 10-15 min on 2 cores
+    python -m benchmarks.bench_serving            # about 10 min on 2 idle cores
     python -m benchmarks.bench_serving --quick    # a ~3 min smoke run
     python -m benchmarks.bench_serving --rounds 3 --lengths 64 450 --json out.json
 
@@ -593,7 +593,7 @@ def render(rows: Sequence[Row], blocks: Sequence[Block], args: argparse.Namespac
 
 def goal_lines(rows: Sequence[Row]) -> tuple[list[str], list[str]]:
     missed = [
-        f"{r.config} {r.length}/c{r.concurrency} {r.ratio_to_nixl:.2f}x"
+        f"{r.config} {r.length}/c{r.concurrency} {r.ratio_to_nixl:.3f}x"
         for r in rows
         if r.ratio_to_nixl is not None and r.ratio_to_nixl > GOAL
     ]
