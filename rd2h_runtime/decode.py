@@ -44,7 +44,9 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Final
+from typing import Any, Final
+
+import numpy as np
 
 from rd2h_protocol.consumer import (
     ConsumerConfig,
@@ -81,6 +83,8 @@ __all__ = ["DecodeMetrics", "DecodeWorker", "Outcome", "ReadRecord", "destinatio
 log = logging.getLogger("rd2h_runtime.decode")
 
 _OUTLIVE_POLL_S: Final = 5.0  # how often a failed read's running engine call is checked
+#: By default, at most this many queued plans (layers) go into one engine read.
+MAX_BATCHED_READS: Final = 64
 # ConsumerStats counters of peer input that was refused or dropped: logged per peer.
 _REFUSALS: Final = (
     "malformed_frames",
@@ -98,6 +102,17 @@ _REFUSAL_LOG_PEERS: Final = 1024  # peers remembered for that
 
 class _PlannerBug(Exception):
     """The descriptors of a read do not cover exactly the bytes its plan owns."""
+
+
+def _joined(descs: Sequence[Descriptors]) -> tuple[Any, Any, Any]:
+    """The descriptor arrays of several plans as one read's (no copy for a single plan)."""
+    if len(descs) == 1:
+        return descs[0].remote_addrs, descs[0].local_addrs, descs[0].lengths
+    return (
+        np.concatenate([d.remote_addrs for d in descs]),
+        np.concatenate([d.local_addrs for d in descs]),
+        np.concatenate([d.lengths for d in descs]),
+    )
 
 
 def destination_regions(layers: Iterable[tuple[str, DestinationLayout]]) -> list[tuple[int, int]]:
@@ -150,6 +165,7 @@ class DecodeMetrics:
     send_failures: int = 0  # replies the server refused or could not deliver
     handler_errors: int = 0  # exceptions caught on the I/O thread or the read worker
     reads_outlived: int = 0  # failed reads whose engine call ran on (reported when it ended)
+    batched_reads: int = 0  # engine reads that moved several plans (layers) at once
 
 
 class DecodeWorker(EndpointWorker[Output, Outcome, bytes, ServerEvent]):
@@ -161,6 +177,8 @@ class DecodeWorker(EndpointWorker[Output, Outcome, bytes, ServerEvent]):
     called (outside the lock) with every :class:`Outcome`; outcomes are also kept until
     :meth:`release`, for :meth:`wait_finished`. ``planner`` turns a read plan into the
     descriptors of one batched read (benchmarks swap in a baseline to compare).
+    ``max_batched_reads``: at most this many plans queued together (one Prefill session)
+    go into one engine read; 1 reads each plan on its own.
     """
 
     _ROLE = "Decode"
@@ -187,8 +205,12 @@ class DecodeWorker(EndpointWorker[Output, Outcome, bytes, ServerEvent]):
         planner: Callable[[ReadPlan], Descriptors] = build_descriptors,
         on_read: Callable[[ReadRecord], None] | None = None,
         trace_dir: str | None = None,
+        max_batched_reads: int = MAX_BATCHED_READS,
     ) -> None:
         super().__init__(backend, own_backend, on_outcome)
+        if max_batched_reads < 1:
+            raise LocalProtocolError(f"max_batched_reads must be >= 1, got {max_batched_reads}")
+        self._max_batch = max_batched_reads
         self.config = config
         self._on_read = on_read
         self._planner = planner
@@ -199,7 +221,7 @@ class DecodeWorker(EndpointWorker[Output, Outcome, bytes, ServerEvent]):
         self._releasable: set[str] = set()
         self._reads: queue.SimpleQueue[StartRead | None] = queue.SimpleQueue()
         self._pending_reads = 0
-        self._last_read: ReadRecord | None = None  # the read worker's own, no lock
+        self._last_reads: list[ReadRecord] = []  # the read worker's own, no lock
         self.metrics = DecodeMetrics()
         # peer -> (when its refused input was last logged, refusals held back since)
         self._refusals_logged: OrderedDict[bytes, tuple[float, int]] = OrderedDict()
@@ -414,31 +436,52 @@ class DecodeWorker(EndpointWorker[Output, Outcome, bytes, ServerEvent]):
         )
 
     def _read_loop(self) -> None:
+        backlog: list[StartRead | None] = []  # taken from the queue, not in this batch
         while True:
-            item = self._reads.get()
+            item = backlog.pop(0) if backlog else self._reads.get()
             if item is None:
                 return
-            error = self._read(item)
-            if error is not None:
-                self._outlive(item.plan.read_id)
+            batch = [item]
+            if not backlog:
+                self._take_queued(batch, backlog)
+            errors = self._read_batch(batch)
+            if any(error is not None for error in errors):
+                self._outlive(batch[0].plan.read_id)
             self._observe_read()
             reported: list[Outcome] = []
             try:
                 with self._lock:
-                    self._pending_reads -= 1
+                    self._pending_reads -= len(batch)
                     if self._closed:
                         continue
-                    read_id = item.plan.read_id
-                    outs = self._traced(
-                        functools.partial(self._endpoint.read_finished, read_id, error),
-                        time.monotonic(),
-                        "read_finished",
-                        None if self._tracer is None else {"read_id": read_id, "error": error},
-                    )
-                    reported = self._execute(outs)
+                    for done, error in zip(batch, errors, strict=True):
+                        read_id = done.plan.read_id
+                        outs = self._traced(
+                            functools.partial(self._endpoint.read_finished, read_id, error),
+                            time.monotonic(),
+                            "read_finished",
+                            None if self._tracer is None else {"read_id": read_id, "error": error},
+                        )
+                        reported += self._execute(outs)
             except Exception as exc:
                 self._caught(exc, "error after read %d", item.plan.read_id)
             self._report(reported)
+
+    def _take_queued(self, batch: list[StartRead], backlog: list[StartRead | None]) -> None:
+        """Add the reads already queued behind ``batch[0]`` from the same Prefill session,
+        in order, so that one engine call moves them all: several layers ready at once
+        (a claimed Prefill-first request, a Decode that fell behind) pay one read's fixed
+        cost. The first read of another session (or the close) stays for the next round."""
+        session = batch[0].plan.session
+        while len(batch) < self._max_batch:
+            try:
+                queued = self._reads.get_nowait()
+            except queue.Empty:
+                return
+            if queued is None or queued.plan.session != session:
+                backlog.append(queued)
+                return
+            batch.append(queued)
 
     def _outlive(self, read_id: int) -> None:
         """Wait until no engine call of a failed read can still write the destination.
@@ -465,85 +508,103 @@ class DecodeWorker(EndpointWorker[Output, Outcome, bytes, ServerEvent]):
                 waited,
             )
 
-    def _read(self, item: StartRead) -> TransferError | None:
-        """Run one plan; the error to report, or None on success. Never raises."""
-        plan = item.plan
-        self._last_read = None
+    def _read_batch(self, batch: list[StartRead]) -> list[TransferError | None]:
+        """Run the plans of ``batch`` (one Prefill session) as ONE engine read; the error
+        to report for each, None on success. Never raises.
+
+        A plan whose ``start_by`` passed is not started (its own error); the others share
+        the read's outcome, bounded by the earliest ``finish_by`` among them.
+        """
+        self._last_reads = []
         now = time.monotonic()
-        if not item.may_start(now):
-            self.metrics.reads_not_started += 1
-            return item.not_started(now)
-        nbytes = ndesc = 0
+        errors: list[TransferError | None] = [None] * len(batch)
+        started: list[int] = []
+        for i, item in enumerate(batch):
+            if item.may_start(now):
+                started.append(i)
+            else:
+                self.metrics.reads_not_started += 1
+                errors[i] = item.not_started(now)
+        if not started:
+            return errors
+        plans = [batch[i].plan for i in started]
+        finish_by = min((f for i in started if (f := batch[i].finish_by) is not None), default=None)
+        session = plans[0].session
+        descs: list[Descriptors] = []
         start = time.monotonic()
         try:
             # Connecting touches no Prefill memory: it may take until the lease's end, and
             # the read's own timeout starts after it.
             connect_s = self._read_timeout_s
-            if item.finish_by is not None:
-                connect_s = max(connect_s, item.finish_by - start)
-            self._backend.connect(plan.session, timeout_s=connect_s)
+            if finish_by is not None:
+                connect_s = max(connect_s, finish_by - start)
+            self._backend.connect(session, timeout_s=connect_s)
             start = time.monotonic()
             try:
-                desc = self._planner(plan)
+                for plan in plans:
+                    desc = self._planner(plan)
+                    planned, described = plan.total_bytes, desc.total_bytes
+                    if described != planned:
+                        # A planner bug must be loud: never report a read done that moved
+                        # less (or more) than its plan owns.
+                        raise _PlannerBug(
+                            f"read {plan.read_id}: the plan owns {planned} bytes but its "
+                            f"{len(desc)} descriptors cover {described}"
+                        )
+                    descs.append(desc)
             finally:
                 self.metrics.plan_s += time.monotonic() - start
-            planned, described = plan.total_bytes, desc.total_bytes
-            if described != planned:
-                # A planner bug must be loud: never report a read done that moved less (or
-                # more) than its plan owns.
-                raise _PlannerBug(
-                    f"read {plan.read_id}: the plan owns {planned} bytes but its "
-                    f"{len(desc)} descriptors cover {described}"
-                )
             start = time.monotonic()
             timeout_s = self._read_timeout_s
-            if item.finish_by is not None:
+            if finish_by is not None:
                 # Past finish_by Prefill may reuse the storage: reading on is worthless.
-                timeout_s = min(timeout_s, item.finish_by - start)
+                timeout_s = min(timeout_s, finish_by - start)
+            remote, local, lengths = _joined(descs)
             try:
-                self._backend.read(
-                    plan.session,
-                    desc.remote_addrs,
-                    desc.local_addrs,
-                    desc.lengths,
-                    timeout_s=timeout_s,
-                )
+                self._backend.read(session, remote, local, lengths, timeout_s=timeout_s)
             finally:
                 self.metrics.read_s += time.monotonic() - start
         except TransferError as exc:
-            self.metrics.read_failures += 1
             error: TransferError | None = exc
         except _PlannerBug as exc:
-            self.metrics.read_failures += 1
             log.error("%s", exc)
             error = TransferError(str(exc))
         except ProtocolError as exc:
             # A plan the planner refuses (addresses past 64 bits): fail the read, not the
             # thread; retrying it cannot help.
-            self.metrics.read_failures += 1
-            error = TransferError(f"read {plan.read_id} could not be planned: {exc.message}")
+            error = TransferError(f"read {plans[0].read_id} could not be planned: {exc.message}")
         except Exception as exc:
-            self.metrics.read_failures += 1
-            log.exception("read %d raised", plan.read_id)
-            error = TransferError(f"read {plan.read_id} raised {exc!r}")
+            log.exception("read %d raised", plans[0].read_id)
+            error = TransferError(f"read {plans[0].read_id} raised {exc!r}")
         else:
             error = None
-            nbytes, ndesc = described, len(desc)
-            self.metrics.reads += 1
-            self.metrics.read_bytes += nbytes
-            self.metrics.descriptors += ndesc
         end = time.monotonic()
-        self._last_read = ReadRecord(plan.layer_name, nbytes, ndesc, end - start, error)
-        if self._tracer is not None:
-            self._tracer.read(plan.read_id, plan.layer_name, start, end, nbytes, ndesc, error)
-        return error
+        for n, i in enumerate(started):
+            plan = plans[n]
+            errors[i] = error
+            nbytes = ndesc = 0
+            if error is None:
+                nbytes, ndesc = descs[n].total_bytes, len(descs[n])
+                self.metrics.reads += 1
+                self.metrics.read_bytes += nbytes
+                self.metrics.descriptors += ndesc
+            else:
+                self.metrics.read_failures += 1
+            # Each plan of a batch is recorded with the batch's whole time.
+            self._last_reads.append(ReadRecord(plan.layer_name, nbytes, ndesc, end - start, error))
+            if self._tracer is not None:
+                self._tracer.read(plan.read_id, plan.layer_name, start, end, nbytes, ndesc, error)
+        if len(started) > 1:
+            self.metrics.batched_reads += 1
+        return errors
 
     def _observe_read(self) -> None:
-        """Hand the read just run to ``on_read`` (read worker thread, no lock held)."""
-        record, self._last_read = self._last_read, None
-        if record is None or self._on_read is None:
+        """Hand the reads just run to ``on_read`` (read worker thread, no lock held)."""
+        records, self._last_reads = self._last_reads, []
+        if self._on_read is None:
             return
-        try:
-            self._on_read(record)
-        except Exception:
-            log.exception("on_read callback raised")
+        for record in records:
+            try:
+                self._on_read(record)
+            except Exception:
+                log.exception("on_read callback raised")

@@ -42,7 +42,7 @@ from rd2h_protocol.producer import DecodeTarget, ProducerConfig, RequestFinished
 from rd2h_protocol.wire.layout import DestinationLayout
 from rd2h_protocol.wire.messages import ALL_CAPABILITIES
 from rd2h_runtime.control import BindError, ControlOptions
-from rd2h_runtime.decode import DecodeWorker, Outcome
+from rd2h_runtime.decode import MAX_BATCHED_READS, DecodeWorker, Outcome
 from rd2h_runtime.prefill import PrefillWorker
 from rd2h_runtime.tools.netns import enter_host
 from rd2h_runtime.tools.synthetic import (
@@ -130,6 +130,7 @@ class DecodeSpec:
     park_timeout_s: float = 2.0
     read_timeout_s: float = 5.0
     read_delay_s: float = 0.0
+    max_batched_reads: int = MAX_BATCHED_READS  # plans one engine read may take (1: each alone)
     die_at_read: int | None = None  # SIGKILL the process when this read (1-based) starts
     compat: str | None = None
     capabilities: tuple[str, ...] = ALL_CAPABILITIES
@@ -225,6 +226,7 @@ class DecodeEngine:
                             control_options=spec.control,
                             read_timeout_s=spec.read_timeout_s,
                             trace_dir=spec.trace_dir,
+                            max_batched_reads=spec.max_batched_reads,
                         )
                     )
                 return workers

@@ -403,18 +403,17 @@ def build_timeline(streams: Sequence[Stream]) -> Timeline:
                 t0, t1 = rec["t0"] - off, rec["t1"] - off
                 args = {"read_id": rec["read_id"], "bytes": rec["bytes"], "ok": rec["ok"]}
                 name = f"read {rec['layer']}"
+                # A complete event: the plans of one batched read share its interval.
                 events.append(
                     {
-                        "ph": "B",
+                        "ph": "X",
                         "name": name,
                         "pid": pid,
                         "tid": TRACK_READS,
                         "ts": us(t0),
+                        "dur": round(max(t1 - t0, 0.0) * 1e6, 3),
                         "args": args,
                     }
-                )
-                events.append(
-                    {"ph": "E", "name": name, "pid": pid, "tid": TRACK_READS, "ts": us(max(t0, t1))}
                 )
             elif kind == "call":
                 t = rec["t"] - off
@@ -567,10 +566,10 @@ def write_png(tl: Timeline, path: str) -> bool:
         return False
     fig, ax = plt.subplots(figsize=(14, 1 + 0.6 * len(tl.streams)))
     for ev in tl.events:
-        if ev["ph"] == "X":
-            ax.barh(ev["pid"], ev["dur"] / 1e3, left=ev["ts"] / 1e3, color="tab:red", height=0.3)
-        elif ev["ph"] == "B":
+        if ev["ph"] == "X" and ev["tid"] == TRACK_READS:
             ax.plot([ev["ts"] / 1e3], [ev["pid"] + 0.3], "|", color="tab:blue")
+        elif ev["ph"] == "X":
+            ax.barh(ev["pid"], ev["dur"] / 1e3, left=ev["ts"] / 1e3, color="tab:red", height=0.3)
         elif ev["ph"] == "i" and ev["name"].startswith("publish"):
             ax.plot([ev["ts"] / 1e3], [ev["pid"] - 0.3], "|", color="tab:green")
     ax.set_yticks(range(1, len(tl.streams) + 1), [s.label for s in tl.streams])

@@ -110,8 +110,10 @@ def test_reuse_ring_buffer_is_overwritten_only_after_its_gate_opened(pairs: list
     assert all(r.ok and r.mismatches == () for r in results.values()), results
     metrics = pair.prefill.state()["metrics"][0]
     # Layers 3..7 reuse a buffer whose previous layer was still being read: the compute
-    # path really waited on those gates, and then wrote as soon as they opened.
-    assert metrics["gate_waits"] >= 5, metrics
+    # path really waited on those gates, and then wrote as soon as they opened. Decode
+    # reads the layers queued behind a slow read in one batch, which opens their gates
+    # together, so some of those layers find their buffer free (3 or 4 of 5 waited here).
+    assert metrics["gate_waits"] >= 2, metrics
     assert all(f is not None and f[0].ok for fs in pair.prefill.wait(ids, 5.0).values() for f in fs)
     assert pair.decode.release(ids)
     assert_clean(pair.decode.state())

@@ -62,7 +62,8 @@ def no_leftover_threads() -> Iterator[None]:
 def test_a_read_whose_start_by_passed_in_the_queue_is_not_started() -> None:
     # Each read takes 0.3 s; the lease is 0.4 s, so a readiness queued behind a read has
     # less than half of its lease left when the worker gets to it: it must not start.
-    decode = DecodeEngine(DecodeSpec(FLAT, read_delay_s=0.3))
+    # One plan per engine read: the queued readiness must wait behind the slow read.
+    decode = DecodeEngine(DecodeSpec(FLAT, read_delay_s=0.3, max_batched_reads=1))
     prefill = PrefillEngine(PrefillSpec(FLAT, lease_ms=400))
     try:
         reqs = [RequestSpec("late", 100)]
@@ -84,9 +85,15 @@ def test_a_read_whose_start_by_passed_in_the_queue_is_not_started() -> None:
 
 
 class Pair:
-    """One Prefill rank and one Decode rank with hooks on the Decode read path."""
+    """One Prefill rank and one Decode rank with hooks on the Decode read path.
 
-    def __init__(self, before_read: object = None, planner: object = None) -> None:
+    ``max_batched_reads`` 1 (the default here) gives each plan its own engine read, so a
+    hook's n-th call is the n-th layer read.
+    """
+
+    def __init__(
+        self, before_read: object = None, planner: object = None, max_batched_reads: int = 1
+    ) -> None:
         self.dest = DecodeDestinations(FLAT, 1)
         backend = create_backend("loopback", role="decode")
         if before_read is not None:
@@ -98,6 +105,7 @@ class Pair:
             regions=self.dest.regions(0),
             control_options=FAST_CONTROL,
             planner=planner or build_descriptors,  # type: ignore[arg-type]
+            max_batched_reads=max_batched_reads,
         )
         self.cache = PrefillCache(FLAT)
         self.prefill = PrefillWorker(
@@ -254,4 +262,54 @@ def test_decode_restarted_on_the_same_port_is_served_after_a_fresh_handshake() -
         assert pair.decode.is_idle() and pair.prefill.is_idle()
         assert pair.prefill.healthy and pair.decode.healthy
     finally:
+        pair.close()
+
+
+def test_layers_queued_behind_a_slow_read_are_read_in_one_engine_call() -> None:
+    # The first engine read is held until every layer's readiness is queued (it may have
+    # taken several already): the rest then goes in ONE more engine call at most, and every
+    # byte still lands right.
+    release = threading.Event()
+    calls: list[int] = []
+
+    def hold_first(n: int) -> None:
+        calls.append(n)
+        if n == 1:
+            release.wait(WAIT_S)
+
+    pair = Pair(before_read=hold_first, max_batched_reads=64)
+    layers = len(pair.cache.layers())
+    threading.Timer(0.3, release.set).start()
+    try:
+        assert pair.run("batched", 150) == (True, None)
+        assert calls in ([1], [1, 2]), f"{layers} layers read in {len(calls)} engine calls"
+        assert pair.decode.metrics.batched_reads >= 1
+        assert pair.decode.metrics.reads == layers  # each plan counted as read
+        assert pair.decode.is_idle() and pair.prefill.is_idle()
+    finally:
+        release.set()
+        pair.close()
+
+
+def test_a_transient_error_of_a_batched_read_retries_each_of_its_plans_once() -> None:
+    release = threading.Event()
+
+    def fail_first(n: int) -> None:
+        if n == 1:  # held until every readiness is queued, then failed
+            release.wait(WAIT_S)
+            raise TransferError("engine busy", -1, transient=True)
+
+    pair = Pair(before_read=fail_first, max_batched_reads=64)
+    layers = len(pair.cache.layers())
+    threading.Timer(0.3, release.set).start()
+    try:
+        assert pair.run("flaky-batch", 150) == (True, None)
+        # Each plan of the failed engine read was retried once, and read once in the end.
+        retried = pair.decode.stats.read_retries
+        assert 1 <= retried <= layers
+        assert pair.decode.metrics.read_failures == retried
+        assert pair.decode.metrics.reads == layers
+        assert pair.decode.is_idle() and pair.prefill.is_idle()
+    finally:
+        release.set()
         pair.close()

@@ -115,7 +115,7 @@ def test_demo_trace_builds_a_timeline_and_replays(
     events = check_trace_events(json.loads(out.read_text()))
     names = {e["name"] for e in events}
     assert any(n.startswith("publish L") for n in names)
-    assert any(e["ph"] == "B" and e["name"].startswith("read ") for e in events)
+    assert any(e["ph"] == "X" and e["name"].startswith("read ") for e in events)
     assert {e["pid"] for e in events} == {1, 2, 3}  # one process track per rank
     assert trace_check.main([str(trace_dir)]) == 0
     assert "3/3 traces replay without divergence" in capsys.readouterr().out
