@@ -356,31 +356,16 @@ class PrefillSide:
 
     def _fx_schedule(self, state: _Send, send: SendSpec) -> None:
         """Schedule the chunk ``send`` carries in the endpoint (:data:`VLLM_SEND`'s effect)."""
-        groups = self.groups
         try:
-            ms, me = chunk_block_range(
-                remote_cached_tokens=send.remote_cached_tokens,
+            chunk = self._chunk(
+                state.ext_id,
+                send.main_block_ids,
+                send.indexer_block_ids,
+                cached_tokens=send.remote_cached_tokens,
                 transferred_tokens=send.transferred_tokens,
                 computed_tokens=send.computed_tokens,
-                block_size=groups.block_sizes[groups.main],
-                allocated_blocks=len(send.main_block_ids),
                 final=send.final,
             )
-            indexer: list[int] = []
-            i_start = 0
-            if send.indexer_block_ids is not None and groups.indexer is not None:
-                i_start, i_end = chunk_block_range(
-                    remote_cached_tokens=send.remote_cached_tokens,
-                    transferred_tokens=send.transferred_tokens,
-                    computed_tokens=send.computed_tokens,
-                    block_size=groups.block_sizes[groups.indexer],
-                    allocated_blocks=len(send.indexer_block_ids),
-                    final=send.final,
-                )
-                indexer = send.indexer_block_ids[i_start:i_end]
-            elif send.indexer_block_ids is not None:
-                # One group holds main and indexer: the same ids, the same range.
-                indexer, i_start = send.indexer_block_ids[ms:me], ms
         except ProtocolError as exc:
             logger.error("request %s: bad chunk: %s", send.req_id, exc)
             self.stats.record_failure(exc.code)
@@ -388,8 +373,9 @@ class PrefillSide:
             _SEND.fire(self, state, S_LOCAL_BAD_CHUNK, aborts)  # nothing more goes out for it
             self._abort(aborts)
             return
-        main = send.main_block_ids[ms:me]
         ext, final = state.ext_id, send.final
+        main, indexer = list(chunk.main_block_ids), list(chunk.indexer_block_ids)
+        ms, i_start = chunk.main_start, chunk.indexer_start
         if (main or indexer or final) and send.target is not None:
             # A publication will name the request: it opens the connection to its Decode.
             self._contacted.add(_endpoint_target(send.target))
@@ -513,7 +499,15 @@ class PrefillSide:
         chunk = Chunk(ext_req_id=claim.request_id, main_block_ids=[], final=True)
         if keep is not None:
             try:
-                chunk = self._claimed_chunk(keep, claim.cached_tokens)
+                chunk = self._chunk(
+                    keep.ext_id,
+                    keep.main_block_ids,
+                    keep.indexer_block_ids,
+                    cached_tokens=claim.cached_tokens,
+                    transferred_tokens=0,
+                    computed_tokens=keep.num_tokens,
+                    final=True,
+                )
             except ProtocolError as exc:
                 return ClaimAnswer(
                     request_id=claim.request_id, ok=False, code=int(exc.code), message=exc.message
@@ -534,38 +528,47 @@ class PrefillSide:
             message=answer.message,
         )
 
-    def _claimed_chunk(self, keep: _Keep, cached_tokens: int) -> Chunk:
-        """The kept request's blocks past what the claiming Decode holds already."""
+    def _chunk(
+        self,
+        ext_id: str,
+        main_ids: list[int],
+        indexer_ids: list[int] | None,
+        *,
+        cached_tokens: int,
+        transferred_tokens: int,
+        computed_tokens: int,
+        final: bool,
+    ) -> Chunk:
+        """The blocks of a request that go out now: past what Decode holds (its prefix
+        hit) and what earlier steps sent, up to what is computed, per KV-cache group (one
+        group holding main and indexer: the same ids, the same range)."""
         groups = self.groups
-        ms, me = chunk_block_range(
-            remote_cached_tokens=cached_tokens,
-            transferred_tokens=0,
-            computed_tokens=keep.num_tokens,
-            block_size=groups.block_sizes[groups.main],
-            allocated_blocks=len(keep.main_block_ids),
-            final=True,
-        )
+
+        def blocks(group: int, allocated: int) -> tuple[int, int]:
+            return chunk_block_range(
+                remote_cached_tokens=cached_tokens,
+                transferred_tokens=transferred_tokens,
+                computed_tokens=computed_tokens,
+                block_size=groups.block_sizes[group],
+                allocated_blocks=allocated,
+                final=final,
+            )
+
+        ms, me = blocks(groups.main, len(main_ids))
         indexer: list[int] = []
         i_start = 0
-        if keep.indexer_block_ids is not None and groups.indexer is not None:
-            i_start, i_end = chunk_block_range(
-                remote_cached_tokens=cached_tokens,
-                transferred_tokens=0,
-                computed_tokens=keep.num_tokens,
-                block_size=groups.block_sizes[groups.indexer],
-                allocated_blocks=len(keep.indexer_block_ids),
-                final=True,
-            )
-            indexer = keep.indexer_block_ids[i_start:i_end]
-        elif keep.indexer_block_ids is not None:
-            indexer, i_start = keep.indexer_block_ids[ms:me], ms
+        if indexer_ids is not None and groups.indexer is not None:
+            i_start, i_end = blocks(groups.indexer, len(indexer_ids))
+            indexer = indexer_ids[i_start:i_end]
+        elif indexer_ids is not None:
+            indexer, i_start = indexer_ids[ms:me], ms
         return Chunk(
-            ext_req_id=keep.ext_id,
-            main_block_ids=keep.main_block_ids[ms:me],
+            ext_req_id=ext_id,
+            main_block_ids=main_ids[ms:me],
             indexer_block_ids=indexer,
             main_start=ms,
             indexer_start=i_start,
-            final=True,
+            final=final,
         )
 
     def _abort_reachable_children(self) -> None:
