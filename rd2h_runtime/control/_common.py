@@ -12,6 +12,9 @@ from typing import Final, Generic, Literal, TypeVar
 from rd2h_protocol.errors import ConfigError, ProtocolError
 from rd2h_protocol.wire.messages import MAX_FRAME_BYTES
 
+# Bytes charged per queued inbound frame beyond its payload (the objects that carry it).
+_FRAME_OVERHEAD: Final = 256
+
 # ZMQ_HEARTBEAT_TTL travels in deciseconds in a 16-bit field: 6553.5 s is its ceiling.
 _MAX_HEARTBEAT_TTL_S: Final = 6553.5
 
@@ -28,7 +31,19 @@ class ControlOptions:
     - ``reconnect_grace_s``: how long a binding waits for a broken connection to come back
       (ZMQ reconnects on its own) before it treats the peer as gone.
     - ``max_frame_bytes``: ZMQ_MAXMSGSIZE; a peer sending a larger frame is disconnected by
-      ZMQ before any byte of it reaches Python. ``send()`` refuses larger payloads too.
+      ZMQ before any byte of it reaches Python. ``send()`` refuses larger payloads too. The
+      default is the wire's own limit (``rd2h_protocol.wire.messages.MAX_FRAME_BYTES``): no
+      legal frame is larger.
+    - ``peer_inbound_bytes`` / ``inbound_bytes`` (Decode server): what one Prefill peer, and
+      all peers together, may have received but not yet handled, in bytes (each frame counts
+      its length plus a small fixed overhead). A frame over either budget is dropped on
+      arrival, counted in ``ControlStats.dropped_over_budget`` and logged once per peer. The
+      per-peer budget must hold at least one frame of ``max_frame_bytes``. Left out, they
+      are 2x and 16x ``max_frame_bytes``: a peer may have one largest frame in service and
+      one waiting.
+    - ``peer_backlog_s`` (Decode server with a handler): a peer's received frames may add up to
+      at most this much handler time, estimated from the time its recent frames took per
+      byte; beyond it its frames are dropped and counted like those over a byte budget.
     - ``sndhwm`` / ``rcvhwm``: ZMQ's own per-connection queues.
     - ``outgoing_capacity``: our queue in front of the socket (the server's one queue, the
       client's queue per Decode endpoint); ``send()`` raises :class:`QueueFull` beyond it.
@@ -47,6 +62,10 @@ class ControlOptions:
     heartbeat_ttl_s: float = 20.0
     reconnect_grace_s: float = 5.0
     max_frame_bytes: int = MAX_FRAME_BYTES
+    # None: derived from max_frame_bytes (2x and 16x) when the options are built.
+    peer_inbound_bytes: int = None  # type: ignore[assignment]
+    inbound_bytes: int = None  # type: ignore[assignment]
+    peer_backlog_s: float = 2.0
     sndhwm: int = 10_000
     rcvhwm: int = 10_000
     outgoing_capacity: int = 10_000
@@ -61,12 +80,22 @@ class ControlOptions:
     monitor: bool = True
 
     def __post_init__(self) -> None:
+        # Budgets left out follow max_frame_bytes, so raising that one alone stays valid.
+        if self.peer_inbound_bytes is None:
+            object.__setattr__(
+                self, "peer_inbound_bytes", 2 * (self.max_frame_bytes + _FRAME_OVERHEAD)
+            )
+        if self.inbound_bytes is None:
+            object.__setattr__(self, "inbound_bytes", 16 * (self.max_frame_bytes + _FRAME_OVERHEAD))
         positive = {
             "heartbeat_ivl_s": self.heartbeat_ivl_s,
             "heartbeat_timeout_s": self.heartbeat_timeout_s,
             "heartbeat_ttl_s": self.heartbeat_ttl_s,
             "reconnect_grace_s": self.reconnect_grace_s,
             "max_frame_bytes": self.max_frame_bytes,
+            "peer_inbound_bytes": self.peer_inbound_bytes,
+            "inbound_bytes": self.inbound_bytes,
+            "peer_backlog_s": self.peer_backlog_s,
             "sndhwm": self.sndhwm,
             "rcvhwm": self.rcvhwm,
             "outgoing_capacity": self.outgoing_capacity,
@@ -93,6 +122,17 @@ class ControlOptions:
                 f"ControlOptions.heartbeat_ttl_s must be <= {_MAX_HEARTBEAT_TTL_S}, "
                 f"got {self.heartbeat_ttl_s!r}"
             )
+        # A legal frame that fits no budget could never be delivered.
+        floor = self.max_frame_bytes + _FRAME_OVERHEAD
+        for name, value in (
+            ("peer_inbound_bytes", self.peer_inbound_bytes),
+            ("inbound_bytes", self.inbound_bytes),
+        ):
+            if value < floor:
+                raise ConfigError(
+                    f"ControlOptions.{name} must hold one frame of max_frame_bytes "
+                    f"({self.max_frame_bytes} + {_FRAME_OVERHEAD} bytes), got {value!r}"
+                )
         if self.reconnect_ivl_max_s < self.reconnect_ivl_s:
             raise ConfigError(
                 "ControlOptions.reconnect_ivl_max_s must be >= reconnect_ivl_s, got "
@@ -205,6 +245,9 @@ class ControlStats:
     queue_full: int = 0  # send() calls refused with QueueFull
     dropped_outgoing: int = 0  # client: queued frames discarded by disconnect() or close()
     dropped_events: int = 0  # events lost because the incoming queue was full
+    dropped_over_budget: int = 0  # server: frames refused on arrival, peer/total byte budget
+    dropped_over_budget_bytes: int = 0  # their payload bytes
+    peers_over_budget: int = 0  # server: peers that had a frame refused (each logged once)
     handler_errors: int = 0  # exceptions raised by the handler (logged, never fatal)
     connected: int = 0
     disconnected: int = 0

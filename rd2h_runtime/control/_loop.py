@@ -12,6 +12,12 @@ NOBLOCK sends, so nothing the loop does can block on a peer.
 Events go to a handler called on this thread, or, without a handler, to a bounded
 :class:`EventQueue`; while that queue is full the loop stops polling its sockets for input
 (ZMQ's own queues then apply back-pressure to the peers) and resumes when ``recv`` makes room.
+
+A socket set built with ``fair=True`` (the Decode server) files events in a
+:class:`~rd2h_runtime.control._inbox.FairInbox` instead: per-peer byte budgets on arrival
+and fair delivery across peers. Its handler then runs on a second thread, the dispatcher,
+so that the I/O thread keeps draining ZMQ (whose queues are bounded in messages, not bytes)
+and refusing what is over budget while a handler works on a large frame.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import math
 import struct
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import replace
 from typing import Any, Final, Generic, TypeVar, cast
 
@@ -36,6 +42,10 @@ from rd2h_runtime.control._common import (
     ControlStats,
     EventQueue,
 )
+from rd2h_runtime.control._inbox import Admission, FairInbox
+
+# Peers whose over-budget frames were logged (once each); older ones are forgotten first.
+_LOGGED_PEERS: Final = 4096
 
 log = logging.getLogger("rd2h_runtime.control")
 
@@ -73,6 +83,7 @@ class IOLoop(Generic[EventT]):
         handler: Callable[[EventT], None] | None,
         options: ControlOptions | None,
         context: zmq.Context[zmq.Socket[bytes]] | None,
+        fair: bool = False,
     ) -> None:
         self._options = options if options is not None else ControlOptions()
         self._handler = handler
@@ -93,9 +104,21 @@ class IOLoop(Generic[EventT]):
         self._startup_error: BaseException | None = None
         self._fatal: BaseException | None = None
         self._stats = ControlStats()
-        self._queue: EventQueue[EventT] | None = (
-            None if handler is not None else EventQueue(self._options.incoming_capacity, self._wake)
-        )
+        o = self._options
+        self._inbox: FairInbox[EventT] | None = None
+        self._queue: EventQueue[EventT] | None = None
+        if fair:
+            self._inbox = FairInbox(
+                peer_bytes=o.peer_inbound_bytes,
+                total_bytes=o.inbound_bytes,
+                capacity=o.incoming_capacity,
+                peer_backlog=o.peer_backlog_s if handler is not None else None,
+            )
+        elif handler is None:
+            self._queue = EventQueue(o.incoming_capacity, self._wake)
+        # fair and handler: the dispatcher thread calls the handler.
+        self._dispatcher: threading.Thread | None = None
+        self._over_budget_logged: dict[Hashable, None] = {}
         # I/O-thread-only state: the poller and what each socket should be polled for.
         self._poller = zmq.Poller()
         self._want: dict[zmq.Socket[bytes], int] = {}
@@ -143,6 +166,19 @@ class IOLoop(Generic[EventT]):
         if self._startup_error is not None:
             self._abort_start(thread_ran=True)
             raise self._startup_failure(self._startup_error) from self._startup_error
+        if self._inbox is not None and self._handler is not None:
+            dispatcher = threading.Thread(
+                target=self._dispatch, name=self._thread_name() + "-dispatch", daemon=True
+            )
+            self._dispatcher = dispatcher
+            try:
+                dispatcher.start()
+            except RuntimeError as exc:
+                with self._lock:
+                    self._stopping = True
+                    self._wake_locked()
+                self._abort_start(thread_ran=True)
+                raise self._startup_failure(exc) from exc
         with self._lock:
             if self._state == "starting":
                 self._state = "running"
@@ -168,11 +204,23 @@ class IOLoop(Generic[EventT]):
         Thread-safe (several threads may wait). Raises :class:`ControlClosed` once the set is
         closed and every queued event has been taken.
         """
-        if self._queue is None:
+        if self._handler is not None:
             raise ControlError(f"{self._describe()}: recv() is unavailable with a handler")
         if self._state == "new":
             raise ControlClosed(f"{self._describe()}: not started")
-        return self._queue.get(timeout)
+        if self._inbox is None:
+            assert self._queue is not None
+            return self._queue.get(timeout)
+        taken = self._inbox.get(timeout)
+        if taken is None:
+            return None
+        key, event, charged = taken
+        if key is not None:
+            # The consumer's time is not ours to measure: a peer's share is its bytes.
+            self._inbox.done(key, charged, charged * 1e-9)
+        if self._inbox.room() <= 1:
+            self._wake()  # the loop may have stopped reading at capacity
+        return event
 
     @property
     def stats(self) -> ControlStats:
@@ -206,16 +254,21 @@ class IOLoop(Generic[EventT]):
             self._wake_locked()
         if self._queue is not None:
             self._queue.close()
-        thread = self._thread
-        if thread is None or thread.ident == threading.get_ident():
-            return
+        if self._inbox is not None:
+            self._inbox.close(drop=self._handler is not None)
+        me = threading.get_ident()
+        threads = [t for t in (self._thread, self._dispatcher) if t is not None]
+        if any(t.ident == me for t in threads):
+            return  # called from the handler: the threads stop once it returns
         limit = self._options.close_timeout_s if timeout is None else timeout
-        thread.join(limit)
-        if thread.is_alive():
-            raise ControlError(
-                f"{self._describe()}: I/O thread still running {limit} s after close() "
-                "(is the handler blocked?)"
-            )
+        give_up = time.monotonic() + limit
+        for thread in threads:
+            thread.join(max(0.0, give_up - time.monotonic()))
+            if thread.is_alive():
+                raise ControlError(
+                    f"{self._describe()}: {thread.name} still running {limit} s after "
+                    "close() (is the handler blocked?)"
+                )
 
     def __enter__(self: _LoopT) -> _LoopT:
         if self._state == "new":
@@ -343,14 +396,104 @@ class IOLoop(Generic[EventT]):
         if self._have.pop(sock, None) is not None:
             self._poller.unregister(sock)
 
+    def _room(self) -> int | None:
+        """Free event slots where reading stops at capacity (queue mode); None: no limit."""
+        if self._queue is not None:
+            return self._queue.room()
+        if self._inbox is not None and self._handler is None:
+            return self._inbox.room()
+        return None
+
     def _read_budget(self) -> int:
         """How many events this turn may deliver from one socket."""
-        if self._queue is None:
+        room = self._room()
+        if room is None:
             return self._options.recv_batch
-        return max(0, min(self._options.recv_batch, self._queue.room()))
+        return max(0, min(self._options.recv_batch, room))
+
+    def _admits(self, key: Hashable, nbytes: int) -> bool:
+        """Whether a frame of ``nbytes`` from ``key`` fits the budgets (``fair`` sets only);
+        a refusal is counted, and logged the first time for each peer."""
+        assert self._inbox is not None
+        admitted = self._inbox.admits(key, nbytes)
+        if admitted != "ok":
+            self._over_budget(key, admitted, nbytes)
+        return admitted == "ok"
+
+    def _deliver_from(self, key: Hashable, event: EventT, nbytes: int) -> None:
+        """File ``event`` from peer ``key`` after :meth:`_admits` (``fair`` sets only)."""
+        assert self._inbox is not None
+        if self._inbox.put_from(key, event, nbytes) != "ok":  # only if the caller skipped
+            self._over_budget(key, "peer", nbytes)
+
+    def _over_budget(self, key: Hashable, which: Admission, nbytes: int) -> None:
+        self._stats.dropped_over_budget += 1
+        self._stats.dropped_over_budget_bytes += nbytes
+        if key in self._over_budget_logged:
+            return
+        self._stats.peers_over_budget += 1
+        self._over_budget_logged[key] = None
+        if len(self._over_budget_logged) > _LOGGED_PEERS:
+            del self._over_budget_logged[next(iter(self._over_budget_logged))]
+        assert self._inbox is not None
+        o = self._options
+        if which == "peer":
+            budget = (
+                f"its budget of {o.peer_inbound_bytes} bytes received but not yet handled "
+                f"({self._inbox.peer_held(key)} held); raise "
+                "ControlOptions.peer_inbound_bytes if this peer is legitimate"
+            )
+        elif which == "backlog":
+            budget = (
+                f"its budget of {o.peer_backlog_s} s of handler time received but not yet "
+                f"handled ({self._inbox.peer_held(key)} bytes held, at the time per byte its "
+                "recent frames took); raise ControlOptions.peer_backlog_s if this peer is "
+                "legitimate"
+            )
+        else:
+            budget = (
+                f"the budget of {o.inbound_bytes} bytes received but not yet handled from "
+                f"all peers ({self._inbox.held_bytes} held); raise "
+                "ControlOptions.inbound_bytes if the load is legitimate"
+            )
+        log.warning(
+            "%s: dropping a frame of %d bytes from peer %r: over %s. Its further "
+            "over-budget frames are dropped and counted in stats.dropped_over_budget "
+            "without another log line.",
+            self._describe(),
+            nbytes,
+            key,
+            budget,
+        )
+
+    def _dispatch(self) -> None:
+        """The dispatcher thread (``fair`` sets with a handler): events to the handler,
+        fairly across peers, each charged to its peer with the time the handler took."""
+        inbox, handler = self._inbox, self._handler
+        assert inbox is not None and handler is not None
+        while True:
+            try:
+                taken = inbox.get(None)
+            except ControlClosed:
+                return
+            assert taken is not None
+            key, event, charged = taken
+            if self._stopping:
+                return
+            start = time.perf_counter()
+            try:
+                handler(event)
+            except Exception:
+                self._stats.handler_errors += 1
+                log.exception("%s: handler raised on %r", self._describe(), type(event).__name__)
+            if key is not None:
+                inbox.done(key, charged, time.perf_counter() - start)
 
     def _deliver(self, event: EventT) -> None:
         """Hand one event to the handler or the queue. Never raises."""
+        if self._inbox is not None:
+            self._inbox.put(event)  # events of no peer: bounded by their sources
+            return
         if self._handler is not None:
             try:
                 self._handler(event)
@@ -373,6 +516,8 @@ class IOLoop(Generic[EventT]):
             self._state = "closed"
         if self._queue is not None:
             self._queue.close()
+        if self._inbox is not None:
+            self._inbox.close(drop=True)
         thread = self._thread
         if thread_ran and thread is not None:
             # The thread closes its sockets and the owned context itself on every exit path.
@@ -417,7 +562,8 @@ class IOLoop(Generic[EventT]):
     def _loop(self, reader: zmq.Socket[bytes]) -> None:
         idle_cap = self._options.idle_poll_s
         while not self._stopping:
-            can_read = self._queue is None or self._queue.room() > 0
+            room = self._room()
+            can_read = room is None or room > 0
             if self._flags_dirty or can_read != self._could_read:
                 self._apply_flags(can_read)
             timeout = idle_cap
@@ -477,6 +623,8 @@ class IOLoop(Generic[EventT]):
             reader.close(linger=0)
         if self._queue is not None:
             self._queue.close()
+        if self._inbox is not None:
+            self._inbox.close(drop=self._handler is not None)
         if self._external_ctx is None and self._ctx is not None:
             # Every socket of this context was created and closed on this thread.
             self._ctx.term()

@@ -37,11 +37,19 @@ class DecodeControlServer(IOLoop[ServerEvent]):
     one must remain, which is delivered as :class:`PeerFrame`; anything else is counted in
     ``stats.malformed_frames`` and ignored. Replies go out as ``[identity, b"", payload]``.
 
+    Hostile peers: no frame over ``max_frame_bytes`` reaches Python (ZMQ_MAXMSGSIZE drops
+    the connection). Every frame is read out of ZMQ at once and held against its peer's byte
+    budget (``peer_inbound_bytes``) and the global one (``inbound_bytes``) until the handler
+    (or ``recv``) is done with it; a frame over either is dropped, counted in
+    ``stats.dropped_over_budget`` and logged once per peer. Events are delivered fairly: the
+    peer that used the least handler time goes next (one frame at a time), so a peer that
+    floods waits behind the others instead of holding them up.
+
     Threading: ``start``, ``send``, ``set_timer``, ``recv``, ``stats`` and ``close`` are safe
-    from any thread. The socket lives on one I/O thread, which also runs ``handler`` (if
-    given): the handler must return quickly and must never run a data read itself; post
-    reads to a worker, whose ``send`` calls then reach the wire while the loop keeps
-    serving other peers. ``send`` never blocks: it queues (bounded) and wakes the loop.
+    from any thread. The socket lives on one I/O thread; ``handler`` (if given) runs on a
+    second thread, the dispatcher, one event at a time, in a per-peer FIFO order. It must
+    return quickly and must never run a data read itself; post reads to a worker. ``send``
+    never blocks: it queues (bounded) and wakes the loop.
     A reply ZMQ cannot take (peer gone, or its queue at the high-water mark) is dropped,
     counted and reported as :class:`PeerSendFailed`.
 
@@ -61,7 +69,7 @@ class DecodeControlServer(IOLoop[ServerEvent]):
             raise ConfigError("Decode control host must be an address or name, got ''")
         if not 0 <= port <= 65535:
             raise ConfigError(f"Decode control port must lie in [0, 65535], got {port}")
-        super().__init__(handler=handler, options=options, context=context)
+        super().__init__(handler=handler, options=options, context=context, fair=True)
         self._host = host
         self._port = port
         self._outbox: collections.deque[tuple[bytes, bytes]] = collections.deque()
@@ -163,15 +171,20 @@ class DecodeControlServer(IOLoop[ServerEvent]):
             if n and not has_input(router):
                 return
             try:
-                frames = router.recv_multipart(zmq.NOBLOCK)
+                # Without copying: a frame dropped over budget is never copied into Python.
+                frames = router.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            body = [f for f in frames[1:] if f]
+            body = [f for f in frames[1:] if len(f)]
             if len(body) != 1:
                 self._stats.malformed_frames += 1
                 continue
-            self._stats.frames_in += 1
-            self._deliver(PeerFrame(frames[0], body[0]))
+            peer = frames[0].bytes
+            size = len(body[0])
+            # Only this thread adds, so a frame admitted now is still admitted once copied.
+            if self._admits(peer, size):
+                self._stats.frames_in += 1
+                self._deliver_from(peer, PeerFrame(peer, body[0].bytes), size)
 
     def _flush(self) -> None:
         router = self._router

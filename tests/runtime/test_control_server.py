@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -9,7 +10,7 @@ from collections.abc import Callable, Iterator
 import pytest
 import zmq
 
-from rd2h_protocol.errors import ErrorCode, LocalProtocolError
+from rd2h_protocol.errors import ConfigError, ErrorCode, LocalProtocolError
 from rd2h_runtime.control import (
     BindError,
     ControlOptions,
@@ -200,22 +201,30 @@ def test_bind_clash_raises_naming_host_and_port() -> None:
         first.close()
 
 
-def test_send_queue_full_raises_then_drains(ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
+def test_send_queue_full_raises_then_drains(
+    ctx: zmq.Context[zmq.Socket[bytes]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rec = Recorder()
+    server = start_server(rec, outgoing_capacity=8)
     entered = threading.Event()
     release = threading.Event()
+    flush = server._flush
 
-    def react(event: ServerEvent) -> None:
-        if isinstance(event, PeerFrame) and event.payload == b"block":
+    def held_flush() -> None:
+        # The handler no longer runs on the I/O thread, so hold the I/O thread here
+        # instead: the queue cannot drain while it waits.
+        if not release.is_set():
             entered.set()
-            release.wait(WAIT_S)  # keeps the I/O thread busy so the queue cannot drain
+            release.wait(WAIT_S)
+        flush()
 
-    rec = Recorder(react)
-    server = start_server(rec, outgoing_capacity=8)
     try:
         d = dealer(ctx, server)
-        d.send(b"block")
+        d.send(b"hello")
+        peer = rec.wait_frames(1)[0].peer
+        monkeypatch.setattr(server, "_flush", held_flush)
+        server.set_timer(time.monotonic())  # a loop turn, which stops in held_flush
         assert entered.wait(WAIT_S)
-        peer = rec.frames()[0].peer
         for i in range(8):
             server.send(peer, b"%d" % i)
         with pytest.raises(QueueFull, match="8"):
@@ -327,3 +336,96 @@ def test_a_peer_that_stops_reading_gets_send_failures_not_a_stall(
         assert stats.send_failures + stats.frames_out >= 50
     finally:
         server.close()
+
+
+# --- hostile peers: byte budgets and fairness ---------------------------------------------------
+
+
+def test_frames_over_a_peers_byte_budget_are_dropped_counted_and_logged_once(
+    ctx: zmq.Context[zmq.Socket[bytes]], caplog: pytest.LogCaptureFixture
+) -> None:
+    release = threading.Event()
+
+    def react(event: ServerEvent) -> None:
+        if isinstance(event, PeerFrame) and event.payload.startswith(b"F"):
+            release.wait(WAIT_S)  # the flood's first frame holds the handler
+
+    rec = Recorder(react)
+    # One frame of max_frame_bytes in service and one waiting, per peer.
+    server = start_server(rec, max_frame_bytes=1024, peer_inbound_bytes=2 * (1024 + 256))
+    caplog.set_level(logging.WARNING, logger="rd2h_runtime.control")
+    try:
+        flooder = ctx.socket(zmq.DEALER)
+        flooder.setsockopt(zmq.IDENTITY, b"flooder")
+        flooder.setsockopt(zmq.LINGER, 0)
+        flooder.connect(server.endpoint)
+        for i in range(20):
+            flooder.send(b"F%03d" % i + b"x" * 1000)
+        deadline = time.monotonic() + WAIT_S
+        while server.stats.dropped_over_budget < 18:
+            assert time.monotonic() < deadline, server.stats
+            time.sleep(0.01)
+        # Another peer has a budget of its own: its frame goes first, though it came last.
+        other = dealer(ctx, server)
+        other.send(b"other")
+        deadline = time.monotonic() + WAIT_S
+        while server.stats.frames_in < 3:
+            assert time.monotonic() < deadline, server.stats
+            time.sleep(0.01)
+        release.set()
+        frames = rec.wait_frames(3)
+        assert [f.payload[:4] for f in frames] == [b"F000", b"othe", b"F001"]
+        stats = server.stats
+        assert (stats.frames_in, stats.dropped_over_budget, stats.peers_over_budget) == (3, 18, 1)
+        assert stats.dropped_over_budget_bytes == 18 * 1004
+    finally:
+        release.set()
+        server.close()
+    lines = [r.getMessage() for r in caplog.records if "over its budget" in r.getMessage()]
+    assert len(lines) == 1, lines
+    assert "b'flooder'" in lines[0] and "2560 bytes" in lines[0], lines[0]
+    assert "ControlOptions.peer_inbound_bytes" in lines[0], lines[0]
+
+
+def test_a_peer_whose_frames_are_dear_waits_behind_the_others(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    order: list[bytes] = []
+
+    def react(event: ServerEvent) -> None:
+        if isinstance(event, PeerFrame):
+            order.append(event.payload)
+            if event.payload.startswith(b"slow"):
+                time.sleep(0.05)  # 1.5 s of backlog in all: ample time for the second peer
+
+    server = start_server(Recorder(react))
+    try:
+        slow = dealer(ctx, server)
+        for i in range(30):
+            slow.send(b"slow%d" % i)
+        deadline = time.monotonic() + WAIT_S
+        while not order:
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        quick = dealer(ctx, server)
+        for i in range(5):
+            quick.send(b"quick%d" % i)
+        deadline = time.monotonic() + WAIT_S
+        while len(order) < 35:
+            assert time.monotonic() < deadline, order
+            time.sleep(0.01)
+        # Each quick frame waits at most for the slow frame in service, not the backlog.
+        last_quick = max(i for i, p in enumerate(order) if p.startswith(b"quick"))
+        slow_before = sum(1 for p in order[:last_quick] if p.startswith(b"slow"))
+        assert slow_before <= 8, order
+        assert [p for p in order if p.startswith(b"slow")] == [b"slow%d" % i for i in range(30)]
+    finally:
+        server.close()
+
+
+def test_budgets_must_hold_one_largest_frame() -> None:
+    with pytest.raises(ConfigError, match="peer_inbound_bytes"):
+        ControlOptions(max_frame_bytes=4096, peer_inbound_bytes=4096)
+    options = ControlOptions(max_frame_bytes=4096)
+    assert options.peer_inbound_bytes == 2 * (4096 + 256)
+    assert options.inbound_bytes == 16 * (4096 + 256)
