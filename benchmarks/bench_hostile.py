@@ -1,0 +1,488 @@
+"""A hostile Prefill peer against a real Decode process: memory and a healthy peer's rounds.
+
+A Decode worker runs in a child process (so its RSS is its own) on 127.0.0.1 at a run-time
+port. This process runs a healthy Prefill worker and, on a thread, one hostile DEALER that
+floods the Decode with one probe of the set:
+
+- ``parked``: readiness frames of 16,384 unknown request ids each (parked by Decode);
+- ``oversized``: frames one byte over the wire's limit (ZMQ_MAXMSGSIZE cuts them off);
+- ``huge``: legal readiness frames of ~15 MB (7 requests of 1 M block ids, twice);
+- ``churn``: handshakes of 4,096 layers, each with a new session;
+- ``unknown_layers``: readiness frames for layers Decode does not have.
+
+For each probe it prints the healthy peer's round trip (Decode ``add_request`` to its layer
+read and the Prefill's storage writable again) quiet and during the flood, as medians and
+their ratio, whether every round succeeded, and the child's peak RSS over its quiet RSS.
+
+    python -m benchmarks.bench_hostile [--seconds 3] [--rounds 20] [--probe parked ...]
+
+``tests/runtime/test_decode_flood.py`` runs the same machinery, shorter, with assertions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import zmq
+
+from rd2h_protocol.consumer import ConsumerConfig
+from rd2h_protocol.producer import DecodeTarget, ProducerConfig
+from rd2h_protocol.wire.codec import encode
+from rd2h_protocol.wire.layout import (
+    ComponentDest,
+    DestinationLayout,
+    LayerLayout,
+    encode_layer_metadata,
+)
+from rd2h_protocol.wire.messages import (
+    ALL_CAPABILITIES,
+    MAX_BLOCKS_PER_REQUEST,
+    MAX_FRAME_BYTES,
+    MAX_REQUESTS_PER_BATCH,
+    MfMeta,
+    ReadReadyBatch,
+    ReadReq,
+)
+from rd2h_runtime.decode import DecodeWorker
+from rd2h_runtime.prefill import PrefillWorker
+from rd2h_runtime.transfer import TransferBackend
+from rd2h_runtime.transfer.base import U64Array
+
+HOST = "127.0.0.1"
+LAYER = "model.layers.0.self_attn"
+BLOCKS = 64
+PROBES = ("parked", "oversized", "huge", "churn", "unknown_layers")
+MiB = 1 << 20
+
+
+class NullBackend(TransferBackend):
+    """Moves nothing: the probes are about the control plane."""
+
+    name: ClassVar[str] = "null"
+
+    def __init__(self, *, role: str, host: str = HOST, **options: Any) -> None:
+        super().__init__(role=role, host=host)
+        self._session = f"null:{role}:{os.getpid()}"
+
+    @property
+    def session_id(self) -> str:
+        return self._session
+
+    def _register(self, regions: list[tuple[int, int]]) -> None:
+        return None
+
+    def _read(
+        self, session: str, remote: U64Array, local: U64Array, lengths: U64Array, deadline: float
+    ) -> None:
+        return None
+
+    def _close(self) -> None:
+        return None
+
+
+def source_layout() -> LayerLayout:
+    return LayerLayout(
+        base_addrs=[0x1000_0000, 0x2000_0000],
+        block_len=[64, 64],
+        tensor_group_idx=[0, 0],
+        num_blocks=BLOCKS,
+    )
+
+
+# -- the Decode child: JSON lines on stdin/stdout ---------------------------------------------
+
+
+def _child() -> None:
+    dest = DestinationLayout(
+        main=(ComponentDest(0x5000_0000, 64, BLOCKS), ComponentDest(0x6000_0000, 64, BLOCKS)),
+        indexer=None,
+        scale=None,
+    )
+    config = ConsumerConfig(d_rank=0, d_tp=1, layers=[(LAYER, dest)])
+    decode = DecodeWorker(config, NullBackend(role="decode"), host=HOST)
+    out = sys.stdout
+    out.write(json.dumps({"port": decode.port, "pid": os.getpid()}) + "\n")
+    out.flush()
+    try:
+        for line in sys.stdin:
+            cmd = json.loads(line)
+            op = cmd["op"]
+            reply: dict[str, Any] = {}
+            if op == "add":
+                decode.add_request(cmd["ext"], cmd["blocks"], [])
+            elif op == "wait":
+                outcome = decode.wait_finished(cmd["ext"], cmd["timeout"])
+                reply = {
+                    "ok": outcome is not None and outcome.ok,
+                    "detail": repr(outcome) if outcome is not None else "timeout",
+                }
+            elif op == "release":
+                reply = {"released": decode.release(cmd["ext"])}
+            elif op == "stats":
+                s = decode.control_stats
+                reply = {
+                    "frames_in": s.frames_in,
+                    "dropped_over_budget": getattr(s, "dropped_over_budget", 0),
+                    "healthy": decode.healthy,
+                }
+            elif op == "quit":
+                break
+            out.write(json.dumps(reply) + "\n")
+            out.flush()
+    finally:
+        decode.close()
+
+
+class DecodeChild:
+    """The Decode child process and its command pipe."""
+
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "benchmarks.bench_hostile", "--decode-child"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        )
+        hello = self._line()
+        self.port: int = hello["port"]
+        self.pid: int = hello["pid"]
+        self._lock = threading.Lock()
+
+    def _line(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the Decode child exited ({self.proc.wait(5)})")
+        result: dict[str, Any] = json.loads(line)
+        return result
+
+    def call(self, op: str, **args: Any) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        with self._lock:
+            self.proc.stdin.write(json.dumps({"op": op, **args}) + "\n")
+            self.proc.stdin.flush()
+            return self._line()
+
+    def rss(self) -> int:
+        with open(f"/proc/{self.pid}/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            assert self.proc.stdin is not None
+            self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
+            self.proc.stdin.flush()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(5)
+
+
+# -- the probes ---------------------------------------------------------------------------------
+
+
+def _handshake(session: str, layouts: dict[str, LayerLayout] | None = None) -> bytes:
+    return encode(
+        MfMeta(
+            p_session=session,
+            encoded_layer_metadata=encode_layer_metadata(layouts or {LAYER: source_layout()}),
+            protocol_version=2,
+            capabilities=list(ALL_CAPABILITIES),
+            first_seq=1,
+        )
+    )
+
+
+def _readiness(seq: int, reqs: list[ReadReq], layer: str = LAYER) -> bytes:
+    return encode(
+        ReadReadyBatch(layer_idx=0, layer_name=layer, read_reqs=reqs, seq=seq, lease_ms=30_000)
+    )
+
+
+def probe_frames(probe: str) -> Callable[[int], list[bytes]]:
+    """``probe``'s frame source: ``frames(i)`` gives the frames of its i-th step (the first
+    step starts with a handshake where the probe needs a session)."""
+    if probe == "parked":
+
+        def parked(i: int) -> list[bytes]:
+            reqs = [ReadReq(f"u{i}-{j}", [j % BLOCKS]) for j in range(MAX_REQUESTS_PER_BATCH)]
+            head = [_handshake("hostile-parked")] if i == 0 else []
+            return [*head, _readiness(i + 1, reqs)]
+
+        return parked
+    if probe == "oversized":
+        big = b"\x93" + b"x" * MAX_FRAME_BYTES
+        return lambda i: [big]
+    if probe == "huge":
+        ids = [j % BLOCKS for j in range(MAX_BLOCKS_PER_REQUEST)]  # one byte each
+        reqs = [ReadReq(f"h{j}", ids, ids) for j in range(7)]
+        frame = _readiness(1, reqs)
+        assert len(frame) <= MAX_FRAME_BYTES, len(frame)
+
+        def huge(i: int) -> list[bytes]:
+            head = [_handshake("hostile-huge")] if i == 0 else []
+            return [*head, _readiness(i + 1, reqs) if i else frame]
+
+        return huge
+    if probe == "churn":
+        layouts = {f"model.layers.{n}.self_attn": source_layout() for n in range(4096)}
+        blob = encode_layer_metadata(layouts)
+
+        def churn(i: int) -> list[bytes]:
+            return [
+                encode(
+                    MfMeta(
+                        p_session=f"hostile-churn-{i}",
+                        encoded_layer_metadata=blob,
+                        protocol_version=2,
+                        capabilities=list(ALL_CAPABILITIES),
+                        first_seq=1,
+                    )
+                )
+            ]
+
+        return churn
+    if probe == "unknown_layers":
+
+        def unknown(i: int) -> list[bytes]:
+            reqs = [ReadReq(f"l{i}-{j}", [1]) for j in range(1024)]
+            head = [_handshake("hostile-layers")] if i == 0 else []
+            return [*head, _readiness(i + 1, reqs, layer=f"model.layers.{1000 + i}.mlp")]
+
+        return unknown
+    raise ValueError(f"unknown probe {probe!r}; the probes are {', '.join(PROBES)}")
+
+
+class Flooder:
+    """One hostile DEALER that sends ``probe``'s frames as fast as ZMQ takes them."""
+
+    def __init__(self, port: int, probe: str, identity: bytes = b"hostile") -> None:
+        self._frames = probe_frames(probe)
+        self._port = port
+        self._identity = identity
+        self._stop = threading.Event()
+        self.sent = 0
+        self.sent_bytes = 0
+        self._thread = threading.Thread(target=self._run, name=f"flood-{probe}", daemon=True)
+
+    def __enter__(self) -> Flooder:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(30)
+
+    def _run(self) -> None:
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, self._identity)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RECONNECT_IVL, 10)
+        sock.connect(f"tcp://{HOST}:{self._port}")
+        try:
+            i = 0
+            while not self._stop.is_set():
+                for frame in self._frames(i):
+                    while not self._stop.is_set():
+                        try:
+                            sock.send(frame, zmq.NOBLOCK, copy=False)
+                            break
+                        except zmq.Again:
+                            time.sleep(0.001)
+                    self.sent += 1
+                    self.sent_bytes += len(frame)
+                with contextlib.suppress(zmq.Again):  # replies: read and forget
+                    while True:
+                        sock.recv(zmq.NOBLOCK)
+                i += 1
+        finally:
+            sock.close(0)
+            ctx.term()
+
+
+# -- one measurement ------------------------------------------------------------------------------
+
+
+@dataclass
+class ProbeResult:
+    probe: str
+    quiet_s: list[float]
+    flood_s: list[float]
+    failures: list[str]
+    quiet_rss: int
+    peak_rss: int
+    sent: int = 0
+    sent_bytes: int = 0
+    dropped: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def rss_over_mb(self) -> float:
+        return (self.peak_rss - self.quiet_rss) / 1e6
+
+    @property
+    def added_ms(self) -> float:
+        """Median round trip during the flood minus the quiet median, in milliseconds."""
+        return 1000 * (statistics.median(self.flood_s) - statistics.median(self.quiet_s))
+
+
+class Pair:
+    """The Decode child and a healthy in-process Prefill worker."""
+
+    def __init__(self, lease_ms: int = 2_000) -> None:
+        self.child = DecodeChild()
+        config = ProducerConfig(
+            p_rank=0, p_tp=1, session="", layers=[(LAYER, source_layout())], lease_ms=lease_ms
+        )
+        self.prefill = PrefillWorker(config, NullBackend(role="prefill"))
+        self._n = 0
+
+    def close(self) -> None:
+        self.prefill.close()
+        self.child.close()
+
+    def round(self, timeout: float = 5.0) -> tuple[float, str | None]:
+        """One healthy request of one layer; (seconds, None) or (seconds, what failed)."""
+        self._n += 1
+        ext = f"good-{self._n}"
+        blocks = [(2 * self._n) % BLOCKS, (2 * self._n + 1) % BLOCKS]
+        start = time.monotonic()
+        self.child.call("add", ext=ext, blocks=blocks)
+        self.prefill.add_request(ext, DecodeTarget(HOST, self.child.port, 1))
+        self.prefill.schedule_chunk(ext, blocks, [], 0, 0, True)
+        self.prefill.layer_written(0)
+        self.prefill.end_step()
+        done = self.child.call("wait", ext=ext, timeout=timeout)
+        writable = self.prefill.wait_writable(0, timeout)
+        finished = self.prefill.wait_finished(ext, timeout)
+        took = time.monotonic() - start
+        self.child.call("release", ext=ext)
+        if not done["ok"]:
+            return took, f"Decode: {done['detail']}"
+        if finished is None or not finished.ok:
+            return took, f"Prefill: {finished!r}"
+        if not writable:
+            return took, "Prefill: storage not writable again"
+        return took, None
+
+
+@contextlib.contextmanager
+def sampling(pid_rss: Callable[[], int], every_s: float = 0.005) -> Iterator[list[int]]:
+    """Sample an RSS source on a thread; yields the list whose max is the peak."""
+    samples: list[int] = [pid_rss()]
+    stop = threading.Event()
+
+    def run() -> None:
+        while not stop.is_set():
+            samples.append(pid_rss())
+            stop.wait(every_s)
+
+    t = threading.Thread(target=run, name="rss-sampler", daemon=True)
+    t.start()
+    try:
+        yield samples
+    finally:
+        stop.set()
+        t.join(5)
+        samples.append(pid_rss())
+
+
+def settle(pair: Pair, timeout: float = 20.0) -> None:
+    """Wait until the Decode child's RSS stops moving (a flood's backlog is worked off)."""
+    deadline = time.monotonic() + timeout
+    last = pair.child.rss()
+    while time.monotonic() < deadline:
+        time.sleep(0.2)
+        now = pair.child.rss()
+        if abs(now - last) < MiB:
+            return
+        last = now
+
+
+def measure(
+    pair: Pair, probe: str, *, seconds: float, rounds: int, quiet_rounds: int
+) -> ProbeResult:
+    """Quiet rounds, then ``probe`` flooding for at least ``seconds`` while ``rounds``
+    healthy rounds run; the child's peak RSS during the flood over its RSS just before."""
+    quiet = [pair.round()[0] for _ in range(quiet_rounds)]
+    quiet_rss = pair.child.rss()
+    flood: list[float] = []
+    failures: list[str] = []
+    before = pair.child.call("stats")
+    with sampling(pair.child.rss) as samples, Flooder(pair.child.port, probe) as flooder:
+        start = time.monotonic()
+        time.sleep(min(0.3, seconds / 4))  # let the flood build up first
+        while len(flood) < rounds or time.monotonic() - start < seconds:
+            took, failed = pair.round()
+            flood.append(took)
+            if failed is not None:
+                failures.append(failed)
+            if time.monotonic() - start > 4 * seconds + 30:
+                break
+        sent, sent_bytes = flooder.sent, flooder.sent_bytes
+    after = pair.child.call("stats")
+    settle(pair)
+    return ProbeResult(
+        probe,
+        quiet,
+        flood,
+        failures,
+        quiet_rss,
+        max(samples),
+        sent,
+        sent_bytes,
+        after["dropped_over_budget"] - before["dropped_over_budget"],
+    )
+
+
+def report(r: ProbeResult) -> str:
+    q, f = statistics.median(r.quiet_s), statistics.median(r.flood_s)
+    return (
+        f"{r.probe:15s} round trip quiet {1000 * q:7.1f} ms  flood median {1000 * f:7.1f} ms "
+        f"(x{f / q:5.2f}, +{r.added_ms:6.1f} ms) max {1000 * max(r.flood_s):7.1f} ms  "
+        f"ok {len(r.flood_s) - len(r.failures)}/{len(r.flood_s)}  "
+        f"RSS +{r.rss_over_mb:6.1f} MB over quiet  sent {r.sent} frames "
+        f"{r.sent_bytes / 1e6:.0f} MB, dropped over budget {r.dropped}"
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_hostile")
+    parser.add_argument("--seconds", type=float, default=3.0, help="flood length per probe")
+    parser.add_argument("--rounds", type=int, default=20, help="healthy rounds per flood")
+    parser.add_argument("--lease-ms", type=int, default=2_000, help="healthy Prefill's lease")
+    parser.add_argument("--probe", action="append", choices=PROBES, help="repeatable")
+    parser.add_argument("--decode-child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.decode_child:
+        _child()
+        return
+    pair = Pair(lease_ms=args.lease_ms)
+    try:
+        for _ in range(5):  # warm up: the session, the first reads
+            pair.round()
+        for probe in args.probe or PROBES:
+            r = measure(pair, probe, seconds=args.seconds, rounds=args.rounds, quiet_rounds=20)
+            print(report(r), flush=True)
+            for failure in r.failures[:3]:
+                print(f"    failed: {failure}", flush=True)
+    finally:
+        pair.close()
+
+
+if __name__ == "__main__":
+    main()
