@@ -16,6 +16,11 @@ an idle set costs nothing and a timer fires on time. Other threads queue frames 
 non-blocking everywhere, so one slow or dead peer never stalls another, and replies keep
 flowing while data reads run on the binding's workers. ZMQ heartbeats detect peers that
 vanished; ZMQ_MAXMSGSIZE refuses oversized frames before they reach Python.
+
+The Decode server, which any Prefill may reach, also holds each peer's received frames to
+byte budgets and runs its handler on a dispatcher thread that serves peers fairly (see
+:mod:`rd2h_runtime.control._inbox`), so one peer's flood neither grows the process without
+bound nor holds up the others.
 """
 
 from rd2h_runtime.control._common import (
