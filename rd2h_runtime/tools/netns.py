@@ -10,8 +10,10 @@ rate-limits it (``tc qdisc ... tbf``).
 
 A process enters a namespace with :func:`enter_netns` (as ``ip netns exec`` does) or, for
 an engine that must talk over the link, :func:`enter_host` (which also keeps UCX on it);
-commands run in one through :meth:`TwoHosts.command`. The two-host tests
-(tests/runtime/test_two_hosts.py) and the data-path benchmarks' ``--netns`` use this.
+commands run in one through :meth:`TwoHosts.command`; :func:`thread_in_netns` moves only
+the calling thread's network namespace for a while (clients, and the children that thread
+starts). The two-host tests (tests/runtime/test_two_hosts.py), the data-path benchmarks'
+``--netns`` and the serving benchmark's ``--two-hosts`` use this.
 
 Creating and entering namespaces needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN) and
 iproute2; :func:`unavailable` says why it cannot be done here.
@@ -29,6 +31,7 @@ import shutil
 import socket
 import struct
 import subprocess
+import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -42,6 +45,7 @@ __all__ = [
     "enter_netns",
     "interface_of",
     "leftovers",
+    "thread_in_netns",
     "two_hosts",
     "unavailable",
 ]
@@ -109,6 +113,12 @@ class TwoHosts:
         for ns, dev in ((self.prefill_ns, self.prefill_dev), (self.decode_ns, self.decode_dev)):
             _run(["tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", "tbf",
                   "rate", rate, "burst", burst, "latency", latency])  # fmt: skip
+
+    def unlimit(self) -> None:
+        """Remove the limit from both ends (back to the device's default queue)."""
+        for ns, dev in ((self.prefill_ns, self.prefill_dev), (self.decode_ns, self.decode_dev)):
+            if "tbf" in self.qdisc(ns, dev):
+                _run(["tc", "-n", ns, "qdisc", "del", "dev", dev, "root"])
 
     def qdisc(self, ns: str, dev: str) -> str:
         return _run(["tc", "-n", ns, "qdisc", "show", "dev", dev]).stdout.strip()
@@ -252,6 +262,33 @@ def enter_netns(name: str) -> None:
     flags = _MS_RDONLY if os.statvfs("/sys").f_flag & os.ST_RDONLY else 0
     libc.umount2(b"/sys", _MNT_DETACH)  # not mounted is fine
     _libc_check(libc.mount(name.encode(), b"/sys", b"sysfs", flags, None), "mount sysfs /sys")
+
+
+@contextlib.contextmanager
+def thread_in_netns(name: str) -> Iterator[None]:
+    """Run the calling thread in the named network namespace until the block ends.
+
+    Only the network namespace changes (no mount namespace, so a process with other
+    threads may do it): sockets made inside belong to that namespace for good, and threads
+    and child processes started inside inherit it. On exit the thread returns to the
+    namespace it was in. Needs root (CAP_SYS_ADMIN).
+    """
+    libc = ctypes.CDLL(None, use_errno=True)
+    home = os.open(
+        f"/proc/self/task/{threading.get_native_id()}/ns/net", os.O_RDONLY | os.O_CLOEXEC
+    )
+    try:
+        fd = os.open(os.path.join(NETNS_DIR, name), os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            _libc_check(libc.setns(fd, _CLONE_NEWNET), f"setns({name})")
+        finally:
+            os.close(fd)
+        try:
+            yield
+        finally:
+            _libc_check(libc.setns(home, _CLONE_NEWNET), "setns(back)")
+    finally:
+        os.close(home)
 
 
 def interface_of(host: str) -> str | None:
