@@ -30,6 +30,13 @@ RD2H_READ_SECONDS_SUM: Final = "vllm:rd2h_read_seconds_sum"
 RD2H_READ_SECONDS_COUNT: Final = "vllm:rd2h_read_seconds_count"
 RD2H_FAILURES: Final = "vllm:rd2h_failures_total"  # label code
 RD2H_ABORTS: Final = "vllm:rd2h_aborts_total"  # label direction: sent, received
+#: vLLM's per-request timings (histograms: ``_sum`` seconds and ``_count`` requests).
+PREFILL_TIME: Final = "vllm:request_prefill_time_seconds"  # first scheduled -> first token
+QUEUE_TIME: Final = "vllm:request_queue_time_seconds"  # arrival -> first scheduled
+TTFT: Final = "vllm:time_to_first_token_seconds"  # the engine's own view
+#: vLLM NixlConnector's transfers on the reading side (histograms, one sample per transfer).
+NIXL_XFER_TIME: Final = "vllm:nixl_xfer_time_seconds"
+NIXL_BYTES: Final = "vllm:nixl_bytes_transferred"
 
 
 class CompletionError(RuntimeError):
@@ -215,6 +222,10 @@ class Metrics:
     def rd2h_aborts(self, direction: str) -> float:
         """RD2H ABORT messages ``sent`` or ``received``."""
         return self.value(RD2H_ABORTS, direction=direction)
+
+    def histogram(self, name: str) -> tuple[float, float]:
+        """``(sum, count)`` of a histogram series (e.g. :data:`PREFILL_TIME`), over labels."""
+        return self.value(f"{name}_sum"), self.value(f"{name}_count")
 
     def read_bytes_by_layer(self) -> dict[str, float]:
         """RD2H read bytes per ``layer`` label."""

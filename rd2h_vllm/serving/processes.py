@@ -325,6 +325,12 @@ class ServerSpec:
     it; see :meth:`ManagedProcess.lower_cpu_priority`). ``cpus`` (empty: any) pins every
     thread of the server's processes to those CPUs at launch and again once it is ready
     (:meth:`ManagedProcess.pin_cpus`).
+    ``host`` is the address its HTTP server binds and is reached at; ``netns`` (None: this
+    process's) the network namespace it runs in (``ip netns exec``, which also mounts that
+    namespace's /sys, where UCX finds the network devices; see
+    :mod:`rd2h_runtime.tools.netns`). Across namespaces the KV travels over the link
+    addresses given in ``env`` (``VLLM_HOST_IP``, ``UCX_NET_DEVICES``, NixlConnector's
+    ``VLLM_NIXL_SIDE_CHANNEL_HOST``) and ``extra_config`` (RD2H's ``advertise_host``).
     """
 
     model: TinyModel
@@ -341,6 +347,8 @@ class ServerSpec:
     extra_args: tuple[str, ...] = ()
     ready_nice: int = 0
     cpus: tuple[int, ...] = ()
+    host: str = HOST
+    netns: str | None = None
 
 
 #: Environment of a "nixl_connector" server besides its side-channel port
@@ -391,7 +399,7 @@ def server_command(spec: ServerSpec, port: int, kv_port: int | None = None) -> l
         "-m",
         "vllm.entrypoints.openai.api_server",
         "--host",
-        HOST,
+        spec.host,
         "--port",
         str(port),
         "--model",
@@ -436,11 +444,14 @@ class VllmServer(ManagedProcess):
                 "VLLM_NIXL_SIDE_CHANNEL_PORT": str(self.side_channel_port),
                 **env,
             }
-        self.url = f"http://{HOST}:{self.port}"
+        self.host = spec.host
+        self.url = f"http://{spec.host}:{self.port}"
         self.started_at = time.monotonic()
         self.ready_s = 0.0
         label = name or f"{spec.role}-{spec.model.kind}-{spec.backend}-tp{spec.tp}"
         cmd = server_command(spec, self.port, self.kv_port)
+        if spec.netns is not None:
+            cmd = ["ip", "netns", "exec", spec.netns, *cmd]
         super().__init__(label, cmd, log_dir / f"{label}.log", env=env)
         if spec.cpus:
             self.pin_cpus(spec.cpus)
@@ -522,11 +533,11 @@ class ProxyProcess(ManagedProcess):
             "--port",
             str(self.port),
             "--prefiller-hosts",
-            *(HOST for _ in prefillers),
+            *(s.host for s in prefillers),
             "--prefiller-ports",
             *(str(s.port) for s in prefillers),
             "--decoder-hosts",
-            *(HOST for _ in decoders),
+            *(s.host for s in decoders),
             "--decoder-ports",
             *(str(s.port) for s in decoders),
             *extra_args,
