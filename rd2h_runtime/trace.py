@@ -25,6 +25,10 @@ part number. Records (``"k"``):
 - ``read``: a Decode batched read: ``read_id``, ``layer``, ``t0``, ``t1``, ``bytes``,
   ``ok``, ``err``.
 - ``drop``: records lost because the writer fell behind (``count``).
+- ``mark``: a moment outside the endpoint, ``what`` at ``t`` with the ids of its request
+  (``req``: vLLM's, ``ext``: the transfer's). The vLLM connector's scheduler side writes
+  them into a stream of its own (role ``marks``, :func:`open_marks`): a request's
+  admission, its load noticed, its first step scheduled, Prefill's answer.
 
 ``rd2h trace`` (:mod:`rd2h_runtime.tools.timeline`) merges traces into a timeline and replays
 them (``rd2h trace check``).
@@ -51,9 +55,11 @@ from rd2h_protocol.wire.messages import Abort, ReadDone, ReadFailed, ReadReadyBa
 
 __all__ = [
     "ENV_VAR",
+    "MARKS_ROLE",
     "MAX_IDS",
     "Tracer",
     "frame_summary",
+    "open_marks",
     "open_tracer",
     "summarize_output",
 ]
@@ -283,6 +289,14 @@ class Tracer:
         """A batched read from ``t0`` to ``t1``."""
         self._queue.append(("read", read_id, layer, t0, t1, nbytes, ndesc, error))
 
+    def mark(self, what: str, now: float, **fields: str | int | float) -> None:
+        """A moment outside the endpoint (``what`` at ``now``: a scheduler or proxy step),
+        with fields that name its request (``req``: vLLM's id, ``ext``: the transfer's)."""
+        if len(self._queue) >= _MAX_QUEUED:
+            self._dropped += 1
+            return
+        self._queue.append(("mark", what, now, fields))
+
     # -- writer ----------------------------------------------------------------------------
 
     def _open_part(self) -> Any:
@@ -319,6 +333,9 @@ class Tracer:
             if error is not None:
                 rec["e"] = _arg(error)
             return rec
+        if kind == "mark":
+            _, what, now, fields = item
+            return {"k": "mark", "t": now, "what": what, **fields}
         if kind == "gate":
             _, layer, t0, t1, ok = item
             return {"k": "gate", "layer": layer, "t0": t0, "t1": t1, "ok": ok}
@@ -384,6 +401,16 @@ class Tracer:
         self._thread.join(10.0)
         self._drain()
         self._file.close()
+
+
+#: The role of a stream that holds only marks (nothing to replay).
+MARKS_ROLE: Final = "marks"
+
+
+def open_marks(trace_dir: str | None, source: str) -> Tracer | None:
+    """A tracer for the marks of ``source`` (e.g. "decode scheduler"), in a stream of
+    role :data:`MARKS_ROLE`; None when tracing is off."""
+    return open_tracer(trace_dir, MARKS_ROLE, 0, {"source": source}, name=source)
 
 
 def open_tracer(

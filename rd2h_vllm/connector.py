@@ -405,6 +405,8 @@ class SfaRemoteD2HConnector(Rd2hMetricsMixin, KVConnectorBase_V1, SupportsHMA):
                 part.close()
         if self._poster is not None:
             self._poster.close()
+        if self.scheduler is not None:
+            self.scheduler.close()
 
     # -- scheduler side ----------------------------------------------------------------------
 

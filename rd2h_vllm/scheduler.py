@@ -78,6 +78,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
@@ -103,6 +104,7 @@ from rd2h_protocol.rendezvous import (
     rendezvous_from_params,
 )
 from rd2h_protocol.topology import external_request_id
+from rd2h_runtime.trace import open_marks
 from rd2h_vllm.config import Rd2hConfig
 from rd2h_vllm.metaserver import MetaserverError, PostResult
 from rd2h_vllm.metrics import Rd2hKVConnectorStats
@@ -354,6 +356,12 @@ class SchedulerSide:
         # Prefill
         self._sending: dict[str, _SendState] = {}
         self._new_send_aborts: list[SendAbort] = []
+        # With tracing on: this side's marks (`rd2h trace requests` joins them with the
+        # workers' traces), and the loaded requests whose first step is not scheduled yet.
+        self._marks = open_marks(
+            config.trace_dir, "decode scheduler" if config.is_consumer else "prefill scheduler"
+        )
+        self._unscheduled: dict[str, str] = {}
 
     # -- introspection (tests, invariant checks) ---------------------------------------
 
@@ -423,11 +431,17 @@ class SchedulerSide:
                 self._decode_after_alloc(request, blocks, num_external_tokens, params)
             elif is_kept_params(params):
                 self._claim_after_alloc(request, blocks, num_external_tokens, params)
+            spec = self._loading.get(request.request_id)
+            if spec is not None:
+                self._mark("admitted", spec.req_id, spec.ext_id)
         elif params.get("do_remote_decode") and request.request_id not in self._sending:
             if is_prefill_first(params):
                 self._keep_after_alloc(request)
             else:
                 self._prefill_after_alloc(request, params)
+            state = self._sending.get(request.request_id)
+            if state is not None:
+                self._mark("admitted", request.request_id, state.ext_id)
 
     def _decode_after_alloc(
         self,
@@ -604,6 +618,11 @@ class SchedulerSide:
         """This step's metadata; Decode then posts the rendezvous queued this step."""
         meta = Rd2hConnectorMetadata()
         if self.config.is_consumer:
+            if self._unscheduled:
+                for new in scheduler_output.scheduled_new_reqs:
+                    ext_id = self._unscheduled.pop(new.req_id, None)
+                    if ext_id is not None:
+                        self._mark("scheduled", new.req_id, ext_id)
             meta.loads, self._new_loads = self._new_loads, []
             with self._posts_lock:
                 failures, self._failures = self._failures, []
@@ -686,7 +705,10 @@ class SchedulerSide:
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """Forget requests every worker reported finished."""
         for req_id in connector_output.finished_recving or ():
-            self._loading.pop(req_id, None)
+            spec = self._loading.pop(req_id, None)
+            if spec is not None and self._marks is not None:
+                self._mark("loaded", req_id, spec.ext_id)
+                self._unscheduled[req_id] = spec.ext_id
         for req_id in connector_output.finished_sending or ():
             self._sending.pop(req_id, None)
 
@@ -696,6 +718,7 @@ class SchedulerSide:
         """Whether vLLM must keep the request's blocks (see the module docstring)."""
         req_id = request.request_id
         if self.config.is_consumer:
+            self._unscheduled.pop(req_id, None)
             self._cancel_post(req_id)
             # vLLM keeps a request aborted in WAITING_FOR_REMOTE_KVS on its own; saying so
             # here as well makes the rule hold in every state: no free while a read may
@@ -710,6 +733,7 @@ class SchedulerSide:
             del self._sending[req_id]
             return False, None
         state.finished = True
+        self._mark("answered", req_id, state.ext_id)
         if state.target is not None:
             return True, None
         # Prefill-first: the router hands these to Decode, which claims the KV here.
@@ -724,6 +748,16 @@ class SchedulerSide:
                 rd2h_claim_version=CLAIM_VERSION,
             )
         )
+
+    def _mark(self, what: str, req_id: str, ext_id: str) -> None:
+        """A trace mark of this request (when tracing is on)."""
+        if self._marks is not None:
+            self._marks.mark(what, time.monotonic(), req=req_id, ext=ext_id)
+
+    def close(self) -> None:
+        """Write the marks still queued (tracing on)."""
+        if self._marks is not None:
+            self._marks.close()
 
     def get_kv_connector_stats(self) -> Rd2hKVConnectorStats | None:
         """Scheduler-side stats of the interval (rendezvous failures), then reset."""

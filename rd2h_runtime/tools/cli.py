@@ -26,7 +26,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "proxy": ("rd2h_runtime.proxy", "OpenAI-compatible Prefill/Decode proxy with metaserver"),
     "trace": (
         "rd2h_runtime.tools.timeline",
-        "merge protocol traces into a timeline ('rd2h trace check': replay them)",
+        "merge protocol traces into a timeline ('rd2h trace check': replay them; "
+        "'rd2h trace requests': each request's stages)",
     ),
 }
 

@@ -107,7 +107,9 @@ def load_streams(paths: Iterable[str]) -> list[Stream]:
         for n, line in enumerate(lines[1:], start=2):
             try:
                 rec = json.loads(line)
-            except json.JSONDecodeError as exc:  # a process killed mid-line
+            except json.JSONDecodeError as exc:
+                if n == len(lines) and not line.endswith("\n"):
+                    break  # a line being written (a live trace) or cut by a kill
                 raise ValueError(f"{path}:{n}: not JSON ({exc})") from exc
             rec["_line"] = f"{os.path.basename(path)}:{n}"
             inp = rec.get("in")
@@ -330,6 +332,8 @@ class Timeline:
     notes: list[str]
     origin: float
     streams: list[Stream] = field(default_factory=list)
+    #: Seconds to subtract from a clock domain's times to get the reference clock.
+    offsets: dict[tuple[str, str], float] = field(default_factory=dict)
 
 
 def _pct(data: list[float], q: float) -> float:
@@ -415,6 +419,9 @@ def build_timeline(streams: Sequence[Stream]) -> Timeline:
                         "args": args,
                     }
                 )
+            elif kind == "mark":
+                args = {k: v for k, v in rec.items() if k not in ("k", "t", "what", "_line")}
+                events.append(_instant(pid, us(rec["t"] - off), str(rec["what"]), args))
             elif kind == "call":
                 t = rec["t"] - off
                 inp = rec.get("in")
@@ -433,7 +440,7 @@ def build_timeline(streams: Sequence[Stream]) -> Timeline:
     for times in gate_opens.values():
         times.sort()
     transfers = _transfers(pairs, offsets, gate_opens)
-    return Timeline(events, transfers, waits, notes, origin, list(streams))
+    return Timeline(events, transfers, waits, notes, origin, list(streams), offsets)
 
 
 def _transfers(
@@ -596,7 +603,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="rd2h trace",
         description="Merge rd2h protocol traces (every rank, both roles) into a Chrome "
-        "trace-event timeline and print a summary. 'rd2h trace check FILES' replays them.",
+        "trace-event timeline and print a summary. 'rd2h trace check FILES' replays them; "
+        "'rd2h trace requests FILES' breaks each request's transfer into stages.",
     )
     p.add_argument("files", nargs="+", help="trace files or directories of them")
     p.add_argument("-o", "--output", default="rd2h-timeline.json", help="timeline JSON to write")
@@ -612,6 +620,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from rd2h_runtime.tools.trace_check import main as check_main
 
         return check_main(args_in[1:])
+    if args_in and args_in[0] == "requests":
+        from rd2h_runtime.tools.breakdown import main as requests_main
+
+        return requests_main(args_in[1:])
     args = build_parser().parse_args(args_in)
     try:
         streams = load_streams(args.files)

@@ -31,7 +31,7 @@ from rd2h_protocol.errors import ErrorCode, TransferError
 from rd2h_protocol.events import Chunk
 from rd2h_protocol.producer import DecodeTarget, ProducerConfig, ProducerEndpoint
 from rd2h_runtime.tools.timeline import Stream, load_streams
-from rd2h_runtime.trace import summarize_output
+from rd2h_runtime.trace import MARKS_ROLE, summarize_output
 
 __all__ = ["ReplayResult", "main", "replay"]
 
@@ -222,6 +222,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not streams:
         print("rd2h trace check: no trace files found", file=sys.stderr)
         return 1
+    streams = [s for s in streams if s.role != MARKS_ROLE]  # marks: nothing to replay
     bad = 0
     for stream in streams:
         result = replay(stream)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import json
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -21,7 +22,7 @@ import pytest
 
 from rd2h_protocol.producer import ProducerConfig, ProducerEndpoint
 from rd2h_runtime import trace
-from rd2h_runtime.tools import timeline, trace_check
+from rd2h_runtime.tools import breakdown, timeline, trace_check
 from rd2h_runtime.tools.engines import DecodeEngine, DecodeSpec, PrefillEngine, PrefillSpec
 from rd2h_runtime.tools.synthetic import RequestSpec, SyntheticModel
 
@@ -310,3 +311,53 @@ def test_rotated_parts_are_joined_and_a_lost_first_part_is_said(
     [s] = [s for s in timeline.load_streams([str(tmp_path)]) if s.label.startswith("prefill r0")]
     result = trace_check.replay(s)
     assert not result.ok and "cannot replay" in (result.divergence or "")
+
+
+def requests_in(trace_dir: Path) -> list[breakdown.RequestMoments]:
+    return breakdown.moments(timeline.build_timeline(timeline.load_streams([str(trace_dir)])))
+
+
+@pytest.mark.timeout(60)
+def test_trace_requests_joins_scheduler_marks_with_the_transfers(
+    loopback_traces: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The loopback run's traces, and a scheduler's marks written by a real Tracer around
+    # each request's transfer (tests/serving checks the vLLM connector's own marks).
+    trace_dir = tmp_path / "traces"
+    shutil.copytree(loopback_traces, trace_dir)
+    found = {r.ext_id: r.at for r in requests_in(trace_dir)}
+    assert sorted(found) == ["r0", "r1", "r2", "r3"]
+    marks = trace.open_marks(str(trace_dir), "decode scheduler")
+    assert marks is not None
+    for ext, at in found.items():
+        assert at["first_publish"] <= at["first_received"] <= at["last_read_end"] <= at["d_done"]
+        marks.mark("admitted", at["first_publish"] - 0.004, req=f"cmpl-{ext}", ext=ext)
+        marks.mark("loaded", at["d_done"] + 0.001, req=f"cmpl-{ext}", ext=ext)
+        marks.mark("scheduled", at["d_done"] + 0.003, req=f"cmpl-{ext}", ext=ext)
+    marks.close()
+    assert breakdown.main([str(trace_dir)]) == 0
+    out = capsys.readouterr().out
+    rows = {r.stage: r for r in breakdown.stage_rows(requests_in(trace_dir))}
+    assert "decode-first:" in out and "prefill-first:" not in out, out
+    assert rows["request done -> scheduler noticed"].count == 4
+    assert rows["request done -> scheduler noticed"].p50_ms == pytest.approx(1.0, abs=1e-6)
+    assert rows["scheduler noticed -> first step"].p50_ms == pytest.approx(2.0, abs=1e-6)
+    assert rows["first -> last layer published"].count == 4
+    assert "Decode admitted -> Prefill admitted" not in rows  # no Prefill marks here
+    assert rows["total: d_admitted -> d_scheduled"].p50_ms > 7.0
+    # The marks stream is shown on the timeline and left out of the replay.
+    assert timeline.main([str(trace_dir), "-o", str(tmp_path / "t.json")]) == 0
+    events = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+    assert sum(e["name"] == "scheduled" for e in events) == 4
+    assert trace_check.main([str(trace_dir)]) == 0
+    assert "3/3 traces replay without divergence" in capsys.readouterr().out
+
+
+def test_trace_requests_says_when_no_request_is_found(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    marks = trace.open_marks(str(tmp_path), "prefill scheduler")
+    assert marks is not None
+    marks.close()
+    assert breakdown.main([str(tmp_path)]) == 1
+    assert "no request found" in capsys.readouterr().err

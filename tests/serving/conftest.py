@@ -51,7 +51,7 @@ def serving_pool(
 
     kept = os.environ.get("RD2H_SERVING_LOG_DIR")
     log_dir = Path(kept) if kept else tmp_path_factory.mktemp("serving-logs")
-    pool = ServerPool(server_specs(model), log_dir)
+    pool = ServerPool(server_specs(model, tmp_path_factory.mktemp("traces")), log_dir)
     _POOL.append(pool)
     try:
         order = [c for c in map(_planned_cluster, request.session.items) if c is not None]

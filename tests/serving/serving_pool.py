@@ -45,8 +45,15 @@ PREFILL_STEP_TOKENS: Final = 32
 KV_LOAD_TIMEOUT_S: Final = 20.0
 #: Prefill frees a Prefill-first request no Decode claimed after this long (default 120 s).
 CLAIM_TIMEOUT_S: Final = 15.0
+#: The cluster whose servers trace (protocol and scheduler marks).
+TRACED: Final = "llama-mooncake"
 #: Transfer figures the tests recorded (printed at the end of the run).
 FIGURES: list[str] = []
+
+
+def traced(trace_dir: Path) -> Path:
+    """Where the :data:`TRACED` cluster's servers write their traces."""
+    return trace_dir / TRACED
 
 
 @dataclass(frozen=True)
@@ -61,7 +68,9 @@ class ClusterDef:
         return (*self.prefill, *self.decode)
 
 
-def server_specs(models: Callable[[ModelKind], TinyModel]) -> dict[str, Callable[[], ServerSpec]]:
+def server_specs(
+    models: Callable[[ModelKind], TinyModel], trace_dir: Path
+) -> dict[str, Callable[[], ServerSpec]]:
     """Every server the tests may start, by name (specs built lazily: models on demand).
 
     llama-nixl (the fault tests' configuration) runs as ``vllm serve`` does by default,
@@ -69,7 +78,9 @@ def server_specs(models: Callable[[ModelKind], TinyModel]) -> dict[str, Callable
     could not deliver (``kv_load_failure_policy`` "recompute"). The other TP 1 servers
     keep the model runner in the engine-core process (:data:`IN_PROCESS_WORKER`), which
     saves a vLLM import per start-up; their Decode fails a request whose KV transfer
-    fails (vLLM's default policy), so a transfer problem shows as an error.
+    fails (vLLM's default policy), so a transfer problem shows as an error. The llama-mooncake
+    servers write their protocol traces and scheduler marks under :func:`traced` of
+    ``trace_dir`` (``rd2h trace requests`` is tested on them).
     """
     specs: dict[str, Callable[[], ServerSpec]] = {}
     backends: tuple[Backend, ...] = ("nixl", "mooncake")
@@ -80,16 +91,20 @@ def server_specs(models: Callable[[ModelKind], TinyModel]) -> dict[str, Callable
             default = base == "llama-nixl"
             env = {} if default else IN_PROCESS_WORKER
             policy = {"kv_load_failure_policy": "recompute"} if default else {}
+            trace = {"trace_dir": str(traced(trace_dir))} if base == TRACED else {}
 
             def prefill(
-                kind: ModelKind = kind, backend: Backend = backend, env: Env = env
+                kind: ModelKind = kind,
+                backend: Backend = backend,
+                env: Env = env,
+                trace: Env = trace,
             ) -> ServerSpec:
                 return ServerSpec(
                     models(kind),
                     "prefill",
                     backend,
                     max_num_batched_tokens=PREFILL_STEP_TOKENS,
-                    extra_config={"claim_timeout_s": CLAIM_TIMEOUT_S},
+                    extra_config={"claim_timeout_s": CLAIM_TIMEOUT_S, **trace},
                     env=env,
                 )
 
@@ -98,12 +113,13 @@ def server_specs(models: Callable[[ModelKind], TinyModel]) -> dict[str, Callable
                 backend: Backend = backend,
                 env: Env = env,
                 policy: Env = policy,
+                trace: Env = trace,
             ) -> ServerSpec:
                 return ServerSpec(
                     models(kind),
                     "decode",
                     backend,
-                    extra_config={"kv_load_timeout_s": KV_LOAD_TIMEOUT_S},
+                    extra_config={"kv_load_timeout_s": KV_LOAD_TIMEOUT_S, **trace},
                     transfer_config=policy,
                     env=env,
                 )

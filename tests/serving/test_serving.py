@@ -11,6 +11,8 @@ runs out of the prefix cache the P/D runs use). Matrix:
 * both flows at once on the same servers, a client abort through the router, and a
   Prefill-first request whose Decode step never comes (Prefill frees its blocks once
   the claim window has passed);
+* ``rd2h trace requests`` on the llama-mooncake servers' traces and scheduler marks:
+  every stage of both flows found;
 * Prefill TP 2 -> Decode TP 1 (DeepSeek, nixl: MLA's latent cache is whole on every
   Prefill rank; Llama's KV heads split over Prefill ranks is refused by RD2H);
 * faults on Llama over nixl: a client abort mid-stream and one before the first token
@@ -28,6 +30,8 @@ ahead of use, and this folder takes about 5 minutes.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -35,8 +39,10 @@ from typing import Any, ClassVar
 
 import httpx
 import pytest
-from serving_pool import CLAIM_TIMEOUT_S, FIGURES, ServerPool, wait_until
+from serving_pool import CLAIM_TIMEOUT_S, FIGURES, TRACED, ServerPool, wait_until
 
+from rd2h_runtime.tools.breakdown import FLOW_STAGES
+from rd2h_vllm.serving.breakdown import ServerTimes, server_times, stages
 from rd2h_vllm.serving.client import (
     Completion,
     CompletionError,
@@ -392,6 +398,79 @@ class TestLlamaMooncake(TokenChecks):
 class TestLlamaMooncakeRouter(RouterChecks):
     cluster = "llama-mooncake"
     seed = 410
+
+
+def request_times(
+    servers: Sequence[VllmServer], before: Sequence[Metrics], count: int
+) -> list[ServerTimes | None]:
+    """Each server's mean intervals since ``before``, once ``count`` requests finished on
+    every one (the histograms are updated as a request ends, about when its answer goes)."""
+    deadline = time.monotonic() + 10.0
+    while True:
+        times = [server_times(b, scrape(s.url)) for s, b in zip(servers, before, strict=True)]
+        if all(t is not None and t.requests == count for t in times):
+            return times
+        assert time.monotonic() < deadline, f"not {count} requests on each server: {times}"
+        time.sleep(0.1)
+
+
+class TestLlamaMooncakeTrace:
+    """``rd2h trace requests`` on the traces and scheduler marks of real servers: both
+    flows, every stage of every request found."""
+
+    cluster = TRACED
+
+    @STARTUP_TIMEOUT
+    def test_trace_requests_breaks_both_flows_into_stages(
+        self, serving_pool: ServerPool, router_for: RouterFor
+    ) -> None:
+        cluster = serving_pool.cluster(self.cluster)
+        prefill = cluster.prefill[0]
+        trace_dir = str(prefill.spec.extra_config["trace_dir"])
+        model = prefill.spec.model.name
+        prompts = make_prompts(4, seed=420, words=(60, 120))
+        router = router_for(cluster)
+        servers = [prefill, cluster.decode[0]]
+        flows = (
+            ("decode-first", cluster.url, prompts[:2]),
+            ("prefill-first", router.url, prompts[2:]),
+        )
+        for flow, url, part in flows:
+            # vLLM's own per-request intervals (rd2h_vllm.serving.breakdown) on real servers.
+            before = [scrape(s.url) for s in servers]
+            ttft = 0.0
+            for prompt in part:
+                sent = time.monotonic()
+                complete(url, model, prompt, max_tokens=1)
+                ttft += (time.monotonic() - sent) / len(part)
+            laid = stages(flow, ttft, request_times(servers, before, len(part)))
+            assert abs(sum(v for _, v in laid) - ttft) < 1e-6, laid
+            assert all(v >= 0 for name, v in laid if not name.startswith("HTTP")), laid
+        done = subprocess.run(
+            [sys.executable, "-m", "rd2h_runtime.tools.cli", "trace", "requests", trace_dir],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
+        # Every stage of both flows, for at least the two requests each sent here (the
+        # servers' earlier requests are in the traces too).
+        rows: dict[str, dict[str, tuple[int, float]]] = {}
+        flow = ""
+        for line in done.stdout.splitlines():
+            if line.endswith(":") and not line.startswith(" "):
+                flow = line[:-1]
+            elif line.startswith("  ") and not line.strip().startswith("stage"):
+                stage, n, p50, _ = line.strip().rsplit(None, 3)
+                rows.setdefault(flow, {})[stage.strip()] = (int(n), float(p50))
+        for name, flow_stages in FLOW_STAGES.items():
+            have = rows.get(name, {})
+            for stage, _, _ in flow_stages:
+                assert stage in have, f"{name}: no {stage!r} in\n{done.stdout}"
+                n, p50 = have[stage]
+                assert n >= 2 and p50 >= 0, f"{name}: {stage}: {have[stage]}\n{done.stdout}"
+        FIGURES.append(f"{self.cluster}: rd2h trace requests\n{done.stdout}")
 
 
 class TestDeepseekNixl(TokenChecks):
