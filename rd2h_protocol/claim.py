@@ -31,6 +31,7 @@ import msgspec
 from msgspec import Meta
 
 from rd2h_protocol.errors import MalformedFrame
+from rd2h_protocol.rendezvous import JsonTooDeep, check_json_depth
 
 #: The version of the claim exchange; a claim of a lower version is refused.
 CLAIM_VERSION: Final = 1
@@ -168,8 +169,13 @@ def _decode(
     if len(frame) > MAX_CLAIM_BYTES:
         raise MalformedClaim(f"claim frame of {len(frame)} bytes exceeds {MAX_CLAIM_BYTES}")
     try:
+        # The typed decode skips unknown keys by recursing into them: the depth is
+        # checked first, so no body reaches the interpreter's recursion limit.
+        check_json_depth(frame)
         return decoder.decode(frame)
-    except (msgspec.DecodeError, RecursionError) as exc:
+    except JsonTooDeep as exc:
+        raise MalformedClaim(f"malformed claim frame: {exc}") from None
+    except msgspec.DecodeError as exc:
         raise MalformedClaim(f"malformed claim frame: {exc}") from None
 
 

@@ -23,6 +23,7 @@ append-only evolution rule); the proxy relays them unchanged.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Annotated, Final
 
@@ -51,6 +52,52 @@ _Id = Annotated[str, Meta(min_length=1, max_length=_MAX_ID_LEN)]
 _Port = Annotated[int, Meta(ge=1, le=_MAX_PORT)]
 _Size = Annotated[int, Meta(ge=1, le=1 << 20)]
 _Tokens = Annotated[int, Meta(ge=0, le=(1 << 63) - 1)]
+
+
+#: The deepest nesting of arrays and objects a JSON body of the rendezvous or the claim
+#: exchange may have (a real one nests 3 levels: the batch map, a rendezvous, a value).
+MAX_JSON_DEPTH: Final = 32
+
+
+# An innermost pair of brackets, and the bytes that are not brackets.
+_PAIR: Final = re.compile(rb"\[\]")
+_SQUARE: Final = bytes.maketrans(b"{}", b"[]")
+_NOT_BRACKETS: Final = bytes(b for b in range(256) if b not in b"[]{}")
+
+
+class JsonTooDeep(ValueError):
+    """A JSON body nests deeper than :data:`MAX_JSON_DEPTH` (or its brackets do not pair)."""
+
+
+def check_json_depth(data: bytes | str) -> None:
+    """Raise :class:`JsonTooDeep` unless ``data``'s arrays and objects nest at most
+    :data:`MAX_JSON_DEPTH` levels and pair up.
+
+    A JSON decoder recurses once per level, so a small body nested deep enough reaches
+    the interpreter's recursion limit (a ``RecursionError``, not a decode error). This
+    looks at the brackets alone, outside strings, with a few passes over the bytes in C
+    (one per level: each removes the innermost pairs), before any decoder recurses.
+    Valid JSON within the bound always passes; what it refuses is too deep or not JSON
+    (a body with at most that many openers passes unexamined: it cannot nest deeper).
+    """
+    raw = data.encode() if isinstance(data, str) else bytes(data)
+    # Strings out: escape pairs first (a backslash always starts one, left to right, as
+    # in the tokenizer), then every other run between quotes.
+    unescaped = raw.replace(b"\\\\", b"").replace(b'\\"', b"")
+    outside = b"".join(unescaped.split(b'"')[::2])
+    skeleton = outside.translate(_SQUARE, _NOT_BRACKETS)
+    if skeleton.count(b"[") <= MAX_JSON_DEPTH:
+        return  # no decoder can recurse deeper than there are openers
+    if b"[" * (MAX_JSON_DEPTH + 1) in skeleton:
+        raise JsonTooDeep(f"the JSON body nests deeper than {MAX_JSON_DEPTH} levels")
+    for _ in range(MAX_JSON_DEPTH):
+        if not skeleton:
+            return
+        skeleton = _PAIR.sub(b"", skeleton)
+    if skeleton:
+        raise JsonTooDeep(
+            f"the JSON body nests deeper than {MAX_JSON_DEPTH} levels (or its brackets do not pair)"
+        )
 
 
 class MalformedRendezvous(MalformedFrame):
@@ -117,15 +164,19 @@ def parse_rendezvous_json(data: bytes | str) -> tuple[Rendezvous, dict[str, obje
     """Parse a rendezvous body; return it and the JSON object it came from.
 
     The object is returned too so a relay can forward keys this version does not know.
-    Raises :class:`MalformedRendezvous` for a body that is too large, not JSON, not an
-    object, or not a valid rendezvous.
+    Raises :class:`MalformedRendezvous` for a body that is too large, not JSON, nested
+    deeper than :data:`MAX_JSON_DEPTH`, not an object, or not a valid rendezvous (and
+    nothing else, whatever the body).
     """
     if len(data) > MAX_RENDEZVOUS_BYTES:
         raise MalformedRendezvous(
             f"rendezvous body of {len(data)} bytes exceeds the {MAX_RENDEZVOUS_BYTES}-byte bound"
         )
     try:
+        check_json_depth(data)
         obj = msgspec.json.decode(data)
+    except JsonTooDeep as exc:
+        raise MalformedRendezvous(f"rendezvous body refused: {exc}") from None
     except msgspec.DecodeError as exc:
         raise MalformedRendezvous(f"rendezvous body is not valid JSON: {exc}") from None
     rendezvous = rendezvous_from_params(obj)

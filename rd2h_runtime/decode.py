@@ -3,7 +3,8 @@
 Theory of operation
 -------------------
 :class:`DecodeWorker` owns a sans-IO :class:`~rd2h_protocol.consumer.ConsumerEndpoint`,
-a :class:`~rd2h_runtime.control.DecodeControlServer` (the rank's ROUTER, one I/O thread),
+a :class:`~rd2h_runtime.control.DecodeControlServer` (the rank's ROUTER: an I/O thread,
+and a dispatcher thread that hands each peer's frames to this worker fairly),
 a read worker thread and a :class:`~rd2h_runtime.transfer.TransferBackend` in which the
 rank's destinations are registered. It takes no protocol decision: it passes
 ``time.monotonic()`` as ``now`` and executes the endpoint's outputs in order --
@@ -21,7 +22,7 @@ Prefill may reuse the storage); the outcome goes back to the endpoint with
 runs. A read whose ``start_by`` passed before the worker got to it is not started: it is
 reported as a ``LEASE_EXPIRED`` failure, as the endpoint asks.
 
-Three threads call into the endpoint (the caller, the I/O thread, the read worker); ONE
+Three threads call into the endpoint (the caller, the dispatcher, the read worker); ONE
 lock serialises every call together with the execution of its outputs, which never
 block (the ROUTER queues frames, the read queue is unbounded and holds at most one plan
 per readiness message). Lock order: this worker's lock, then the server's internal lock.
@@ -163,7 +164,7 @@ class DecodeMetrics:
     read_s: float = 0.0  # total time inside backend.read
     frames_sent: int = 0
     send_failures: int = 0  # replies the server refused or could not deliver
-    handler_errors: int = 0  # exceptions caught on the I/O thread or the read worker
+    handler_errors: int = 0  # exceptions caught on the dispatcher or the read worker
     reads_outlived: int = 0  # failed reads whose engine call ran on (reported when it ended)
     batched_reads: int = 0  # engine reads that moved several plans (layers) at once
 
@@ -384,7 +385,7 @@ class DecodeWorker(EndpointWorker[Output, Outcome, bytes, ServerEvent]):
         return reported, wake
 
     def _handle(self, event: ServerEvent, now: float) -> list[Outcome]:
-        """The ROUTER's I/O thread: frames, timers, delivery failures."""
+        """The ROUTER's dispatcher thread: frames, timers, delivery failures."""
         reported: list[Outcome] = []
         if isinstance(event, PeerFrame):
             before = self._refusal_counts()

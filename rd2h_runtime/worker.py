@@ -11,8 +11,8 @@ After the outputs, the endpoint's next deadline is handed to the control channel
 timer, then the waiters are woken (last, just before the lock is released). What a call
 reports to the caller's callback (:class:`~rd2h_protocol.producer.RequestFinished` on
 Prefill, :class:`~rd2h_runtime.decode.Outcome` on Decode) is reported outside the lock. An
-exception on a thread that carries the endpoint's input (the channel's I/O thread,
-Decode's read worker) is kept in :attr:`~EndpointWorker.errors` and logged, never let
+exception on a thread that carries the endpoint's input (the channel's handler thread:
+Prefill's I/O thread, Decode's dispatcher; Decode's read worker) is kept in :attr:`~EndpointWorker.errors` and logged, never let
 loose on that thread. Closing stops the channel, the role's own threads, the tracer and
 the backend (when owned), in that order.
 
@@ -80,7 +80,7 @@ _W = TypeVar("_W", bound="EndpointWorker[Any, Any, Any, Any]")
 class EndpointWorker(Generic[OutputT, ReportT, KeyT, EventT]):
     """A sans-IO endpoint bound to a control channel, a transfer backend and a clock.
 
-    A role sets, in its constructor, ``_endpoint``, ``_control`` (whose I/O thread calls
+    A role sets, in its constructor, ``_endpoint``, ``_control`` (whose handler thread calls
     :meth:`_on_event`), ``metrics`` and, when tracing is on, ``_tracer``; if the
     constructor fails after this one ran, it calls :meth:`_abandon` before it raises.
     """
@@ -292,7 +292,8 @@ class EndpointWorker(Generic[OutputT, ReportT, KeyT, EventT]):
         return True
 
     def _on_event(self, event: EventT) -> None:
-        """The control channel's I/O thread: one event, handled under the lock."""
+        """The control channel's handler thread (Prefill's I/O thread, Decode's dispatcher):
+        one event, handled under the lock."""
         reported: list[ReportT] = []
         try:
             with self._lock:

@@ -22,9 +22,10 @@ class ConsumerConfig:
     Prefill's MF_META ``compat`` (when both are set); a mismatch refuses the handshake.
     ``kv_load_timeout_s``: a request waiting for KV with no progress for that long fails.
     ``max_parked`` / ``park_timeout_s`` bound the readiness (and aborts) kept for requests
-    not known yet, and so do ``max_parked_ids`` (what they hold, counted in request and
-    block ids: 54 bytes each once decoded, measured; the default 2M ids keep about
-    110 MB) and ``max_parked_ids_per_session`` (one
+    not known yet, and so do ``max_parked_bytes`` (the bytes of memory they hold: a
+    parked readiness keeps its entries packed as msgpack, about its frame's size, plus
+    each request id it names and an index entry per awaited id; see
+    :mod:`rd2h_protocol.consumer.parking`) and ``max_parked_bytes_per_session`` (one
     Prefill session's share of it, so that a flood from one peer leaves room for the
     others); a readiness beyond a bound is served at once, its unknown requests failing
     alone. ``max_read_retries``: retries of a batched read that failed with a
@@ -57,8 +58,8 @@ class ConsumerConfig:
     max_sessions: int = 4096
     max_session_bytes: int = 64 << 20
     max_session_bytes_per_peer: int = 4 << 20
-    max_parked_ids: int = 1 << 21
-    max_parked_ids_per_session: int = 1 << 19
+    max_parked_bytes: int = 64 << 20
+    max_parked_bytes_per_session: int = 16 << 20
     main_shared: bool = True
 
     def __post_init__(self) -> None:
@@ -83,11 +84,16 @@ class ConsumerConfig:
             "max_retired",
             "max_session_bytes",
             "max_session_bytes_per_peer",
-            "max_parked_ids",
-            "max_parked_ids_per_session",
+            "max_parked_bytes",
+            "max_parked_bytes_per_session",
         ):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.max_parked_bytes_per_session > self.max_parked_bytes:
+            raise ConfigError(
+                "max_parked_bytes_per_session must not exceed max_parked_bytes, got "
+                f"{self.max_parked_bytes_per_session} > {self.max_parked_bytes}"
+            )
         if self.max_sessions < 1:
             raise ConfigError(f"max_sessions must be >= 1, got {self.max_sessions}")
 
@@ -125,4 +131,4 @@ class ConsumerStats:
     requests_failed: int = 0
     protocol_errors: int = 0
     sessions_forgotten: int = 0  # beyond max_sessions or a byte budget
-    park_budget_refusals: int = 0  # beyond max_parked_ids(_per_session)
+    park_budget_refusals: int = 0  # beyond max_parked_bytes(_per_session)

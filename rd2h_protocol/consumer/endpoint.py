@@ -110,7 +110,7 @@ class ConsumerEndpoint(_SessionEffects):
 
     def parked(self) -> dict[int, tuple[str, ...]]:
         """``{park id: request ids still awaited}`` of every parked readiness or abort."""
-        return {pid: tuple(sorted(p.missing)) for pid, p in self._parked.items()}
+        return {pid: self._awaited(p) for pid, p in self._parked.items()}
 
     def sessions(self) -> dict[str, str]:
         """``{Prefill session: state}``."""

@@ -230,3 +230,28 @@ def _identify_readiness(
     ids = _raw_names(fields.read_reqs, lambda item: _ENTRY_DECODER.decode(item).ext_req_id)
     ids += _raw_names(fields.done_ext_ids, _NAME_DECODER.decode)
     return layer_idx, seq, _unique(ids)
+
+
+# A parked readiness keeps its entries packed as msgpack (see consumer.parking): written
+# by this encoder, read back by this decoder, which checks nothing the entries did not
+# pass already (they were decoded and checked once: bounded ids, names, starts) and
+# yields the same values, with ids as tuples, as the bounded decoder would.
+_PARK_ENCODER: Final = msgspec.msgpack.Encoder()
+
+
+_UNPACKED_ENTRY: Final[Any] = msgspec.defstruct(
+    "_UnpackedReadReq",
+    [
+        ("ext_req_id", str),
+        ("main_block_ids", tuple[int, ...]),
+        ("indexer_block_ids", tuple[int, ...] | None, None),
+        ("main_start_block", int, 0),
+        ("indexer_start_block", int, 0),
+    ],
+    bases=(_SharedIdsReadReq,),
+)
+
+
+_UNPACK_DECODER: Final[msgspec.msgpack.Decoder[list[ReadReq]]] = msgspec.msgpack.Decoder(
+    list[_UNPACKED_ENTRY]
+)

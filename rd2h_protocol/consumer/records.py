@@ -100,8 +100,11 @@ class _Readiness:
         "ids_below",
         "in_plan",
         "isolated",
-        "missing",
+        "left",
         "msg",
+        "names",
+        "packed",
+        "park_cost",
         "park_id",
         "peer",
         "plan",
@@ -130,7 +133,13 @@ class _Readiness:
         self.start_by = None if msg.lease_ms is None else now + msg.lease_ms / 2000.0
         self.finish_by = None if msg.lease_ms is None else now + msg.lease_ms / 1000.0
         self.caps: frozenset[str] = frozenset()
-        self.missing: set[str] = set()
+        # While parked (see consumer.parking): every request id it names, sorted; how many
+        # of them are still awaited (those indexed under its park id); its entries packed
+        # as msgpack (``msg`` then holds no entries); what it holds, in bytes.
+        self.names: tuple[str, ...] = ()
+        self.left = 0
+        self.packed: bytes | None = None
+        self.park_cost = 0
         self.deadline = 0.0
         self.park_id = 0
         self.accepted: list[_Request] = []
@@ -157,12 +166,15 @@ class _KeptEntries:
 
 
 class _ParkedAbort:
-    __slots__ = ("cost", "deadline", "missing", "park_id", "reason", "session")
+    __slots__ = ("deadline", "left", "names", "park_cost", "park_id", "reason", "session")
 
-    def __init__(self, session: str, missing: set[str], reason: str, deadline: float) -> None:
+    def __init__(
+        self, session: str, missing: tuple[str, ...], reason: str, deadline: float
+    ) -> None:
         self.session = session
-        self.missing = missing
-        self.cost = len(missing)  # fixed: ``missing`` shrinks while it is parked
+        self.names = missing  # sorted; those still awaited are indexed under its park id
+        self.left = len(missing)
+        self.park_cost = 0  # bytes held, set when it is parked
         self.reason = reason
         self.deadline = deadline
         self.park_id = 0

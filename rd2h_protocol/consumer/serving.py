@@ -144,20 +144,20 @@ class _Serving(_ReadOutcomes):
         if allow_park:
             # (set.difference looks each id up in the dict; _retired, an OrderedDict, it
             # would iterate whole, so the few ids left are looked up there one by one)
-            missing = {
+            missing = [
                 ext
                 for ext in set(_message_ids(msg)).difference(self._requests)
                 if ext not in self._retired
-            }
+            ]
             if missing:
-                rd.missing = missing
+                packed = self._prepare_park(rd, missing)
                 rd.deadline = now + self.config.park_timeout_s
                 if rd.start_by is not None:
                     rd.deadline = min(rd.deadline, rd.start_by)
                 if self._park_has_room(rd):
-                    self._READINESS.fire(self, rd, M_LOCAL_PARK)
+                    self._READINESS.fire(self, rd, M_LOCAL_PARK, packed, missing)
                     return
-                rd.missing = set()
+                rd.names, rd.left = (), 0
         if rd.start_by is not None and now > rd.start_by:
             self.stats.expired_leases += 1
             self._refuse(

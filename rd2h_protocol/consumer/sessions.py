@@ -12,6 +12,7 @@ from collections.abc import Mapping
 import msgspec
 
 from rd2h_protocol.consumer.frames import _unique
+from rd2h_protocol.consumer.parking import _park_cost
 from rd2h_protocol.consumer.records import _ParkedAbort, _Readiness, _Session
 from rd2h_protocol.consumer.replies import _REMEMBERED_SEQS, _clip
 from rd2h_protocol.consumer.serving import _Serving
@@ -229,7 +230,7 @@ class _SessionEffects(_Serving):
         """Fail the requests an ABORT names; park it for those not known yet."""
         self.stats.aborts_received += 1
         reason = f"aborted by Prefill: {msg.reason}" if msg.reason else "aborted by Prefill"
-        missing: set[str] = set()
+        missing: list[str] = []
         for ext in _unique(msg.ext_ids):
             req = self._requests.get(ext)
             if req is not None:
@@ -237,10 +238,13 @@ class _SessionEffects(_Serving):
                     req, R_RECV_ABORT, now, ErrorCode.ABORTED, reason, exclude=session.name
                 )
             elif ext not in self._retired:
-                missing.add(ext)
+                missing.append(ext)
         if missing:
             # The abort outran the worker too: apply it when the request arrives.
-            parked = _ParkedAbort(session.name, missing, reason, now + self.config.park_timeout_s)
+            parked = _ParkedAbort(
+                session.name, tuple(sorted(missing)), reason, now + self.config.park_timeout_s
+            )
+            parked.park_cost = _park_cost(parked)
             if not self._park(parked):
                 self.stats.dropped += 1
 

@@ -48,11 +48,12 @@ class _EndpointState:
         self._deadlines: OrderedDict[str, float] = OrderedDict()
         self._reads: dict[int, _Readiness] = {}
         self._parked: dict[int, _Parked] = {}
-        self._parked_ids = 0  # what the parked items hold, in ids (see max_parked_ids)
-        self._parked_ids_by_session: dict[str, int] = {}
+        self._parked_bytes = 0  # what the parked items hold (see max_parked_bytes)
+        self._parked_bytes_by_session: dict[str, int] = {}
         self._session_bytes = 0  # encoded layout bytes of the sessions kept
         self._session_bytes_by_origin: dict[bytes, int] = {}
-        self._waiting: dict[str, set[int]] = {}  # unknown request id -> parked ids
+        # awaited request id -> the park id waiting for it, or their ascending tuple
+        self._waiting: dict[str, int | tuple[int, ...]] = {}
         self._retired: OrderedDict[str, None] = OrderedDict()
         self._next_read_id = 1
         self._next_park_id = 1

@@ -24,6 +24,12 @@ V1LeaseExpiry: TypeAlias = Literal["hold", "reopen"]
 _MAX_LEASE_MS: Final = (1 << 32) - 1  # lease_ms is a uint32 on the wire
 
 
+#: ``silent_peer_timeout_s`` that follows the lease (the default; see ProducerConfig).
+SILENT_FROM_LEASE: Final = -1.0
+#: The shortest silence that declares a peer holding storage dead, whatever the lease.
+SILENT_FLOOR_S: Final = 1.0
+
+
 @dataclass(frozen=True)
 class ProducerConfig:
     """Configuration of one Prefill TP rank.
@@ -53,7 +59,12 @@ class ProducerConfig:
     peer's requests behind it. The trade-off (stated in ``specs/invariants.md``, S1): a
     peer that cannot be told, alive but silent for a lease plus this long, may still be
     reading storage that is then reused. ``None`` holds for as long as the connection
-    lasts.
+    lasts. The default, :data:`SILENT_FROM_LEASE`, is resolved here to one lease, and
+    never less than :data:`SILENT_FLOOR_S`: a live Decode answers a readiness within
+    milliseconds of its read, so one that stayed silent through a whole lease and then
+    a second one is dead or wedged, and the storage it held waits two leases in all
+    (the README's Limitations give the figures). A resolved value is a plain number:
+    ``dataclasses.replace`` with another ``lease_ms`` keeps it (pass the sentinel again).
 
     ``claim_timeout_s``: how long a Prefill-first request is kept for the Decode that will
     claim it (:meth:`ProducerEndpoint.keep_request`); then it finishes unread and its
@@ -73,7 +84,7 @@ class ProducerConfig:
     v1_lease_expiry: V1LeaseExpiry = "hold"
     refused_retry_s: float = 30.0
     refused_retry_max_s: float = 600.0
-    silent_peer_timeout_s: float | None = 30.0
+    silent_peer_timeout_s: float | None = -1.0  # SILENT_FROM_LEASE: resolved below
     claim_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
@@ -106,6 +117,9 @@ class ProducerConfig:
                 f"refused_retry_max_s: expected >= refused_retry_s ({self.refused_retry_s}), "
                 f"got {self.refused_retry_max_s}"
             )
+        if self.silent_peer_timeout_s == SILENT_FROM_LEASE:
+            window = max(self.lease_ms / 1000.0, SILENT_FLOOR_S)
+            object.__setattr__(self, "silent_peer_timeout_s", window)
         if self.silent_peer_timeout_s is not None and not self.silent_peer_timeout_s > 0:
             raise ConfigError(
                 f"silent_peer_timeout_s: expected > 0 or None, got {self.silent_peer_timeout_s}"
@@ -155,6 +169,10 @@ class ProducerStats:
     replays: int = 0
     resent: int = 0  # readiness sent again under its seq (a reconnect, a held publication)
     silent_peers: int = 0  # declared dead: nothing heard while they held storage
+    # What silent peers cost the others: publications they held past their lease until
+    # declared dead, and the seconds those held their storage closed (summed over them).
+    silent_held_publications: int = 0
+    silent_held_s: float = 0.0
     protocol_violations: int = 0  # declared dead: input that no table allows
     kept: int = 0  # Prefill-first requests kept for a Decode's claim
     claimed: int = 0  # ... claimed by a Decode and published

@@ -16,6 +16,7 @@ from rd2h_protocol.machines.producer import (
     G_LOCAL_LAST_PEER_DEAD,
     G_LOCAL_PEER_DEAD,
     P_LOCAL_CONNECTION_LOST,
+    PUB_HELD,
     R_LOCAL_FAILURE,
 )
 from rd2h_protocol.producer.config import Output
@@ -119,6 +120,9 @@ class _DeadPeers(_Publications):
             heapq.heappush(self._timers, (silent_since + timeout, pub.uid))
             return
         self.stats.silent_peers += 1
+        held = [p for p in conn.sent.values() if p.state == PUB_HELD]
+        self.stats.silent_held_publications += len(held)
+        self.stats.silent_held_s += sum(now - p.held_at for p in held)
         reason = f"nothing heard for {timeout:.1f} s while it held storage"
         out.append(Disconnect(conn.name, reason))
         out.extend(self.connection_lost(conn.name, now))

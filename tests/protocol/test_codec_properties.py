@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import msgpack
@@ -287,3 +288,38 @@ def mutated_frames(draw: st.DrawFn) -> bytes:
 @given(mutated_frames())
 def test_mutated_frames_decode_or_raise_remote_protocol_error(frame: bytes) -> None:
     _decodes_or_refuses(frame)
+
+
+# -- exported JSON parsers at any nesting depth (issue 24) ----------------------------------
+
+_JSON_LEAVES = st.one_of(
+    st.none(), st.booleans(), st.integers(), st.text(alphabet='[]{}"\\ab', max_size=6)
+)
+
+
+@st.composite
+def _nested_bodies(draw: st.DrawFn) -> bytes:
+    """A JSON value wrapped in up to 3,000 arrays and objects (mixed), sometimes cut short
+    or with a bracket missing: what a hostile peer would post."""
+    import json
+
+    depth = draw(st.integers(0, 3000))
+    kinds = draw(st.lists(st.sampled_from("[{"), min_size=1, max_size=8))
+    inner = json.dumps(draw(st.recursive(_JSON_LEAVES, st.lists, max_leaves=4)))
+    opens = "".join('{"k":' if kinds[i % len(kinds)] == "{" else "[" for i in range(depth))
+    closes = "".join("}" if kinds[i % len(kinds)] == "{" else "]" for i in reversed(range(depth)))
+    body = opens + inner + closes
+    cut = draw(st.one_of(st.none(), st.integers(0, len(body))))
+    return (body if cut is None else body[:cut]).encode()
+
+
+@given(_nested_bodies())
+def test_nested_json_bodies_get_the_promised_errors_only(body: bytes) -> None:
+    from rd2h_protocol.claim import MalformedClaim, decode_claim, decode_claim_answer
+    from rd2h_protocol.rendezvous import MalformedRendezvous, parse_rendezvous_json
+
+    with contextlib.suppress(MalformedRendezvous):
+        parse_rendezvous_json(body)
+    for parse in (decode_claim, decode_claim_answer):
+        with contextlib.suppress(MalformedClaim):
+            parse(body)

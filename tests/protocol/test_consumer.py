@@ -920,10 +920,10 @@ def test_unknown_request_parked_then_served_when_added() -> None:
 
 def test_a_session_flooding_the_park_leaves_room_for_the_others() -> None:
     # Issue 12: 150 readiness frames naming 16,384 unknown requests each cost 13 MB apiece
-    # within max_parked. Now the park holds at most a session's share of ids.
+    # within max_parked. Now the park holds at most a session's share of bytes.
     import tracemalloc
 
-    ep = endpoint(max_parked_ids=40_000, max_parked_ids_per_session=20_000)
+    ep = endpoint(max_parked_bytes=2_400_000, max_parked_bytes_per_session=1_200_000)
     send(ep, meta("bad"), peer=b"bad")
     send(ep, meta("good"), peer=b"good")
     flood = [rr(f"x{i}", [1]) for i in range(5_000)]  # 3 ids per entry: 15,000 ids
