@@ -870,8 +870,13 @@ def server_side(rows: Sequence[Row], two: bool) -> list[str]:
         "first token: its step time for a lone prompt) and queue time; the KV Decode read "
         "and its rate while reading (rd2h: a batched read's plans each count the batch's "
         "time, so a lower bound; nixl: one transfer per request; at c > 1 transfers overlap "
-        "and share the link); two hosts: the link's rate while busy (bytes Decode's veth "
-        "end received / the time it was receiving, sampled every 5 ms)",
+        "and share the link)"
+        + (
+            "; the link's rate while busy (bytes Decode's veth end received / the time it "
+            "was receiving, sampled every 5 ms)"
+            if two
+            else ""
+        ),
         f"{'rate':>11} {'len':>4} {'c':>2} {'config':<8} {'prefill':>8} {'queue':>7} "
         f"{'KV MiB':>7} {'MiB/s':>7}" + (f" {'link MiB/s':>10}" if two else ""),
     ]
