@@ -34,14 +34,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from rd2h_vllm.serving.client import Metrics
+from rd2h_vllm.serving.client import E2E_TIME, PREFILL_TIME, QUEUE_TIME, TTFT, Metrics
 
 __all__ = ["FLOWS", "ServerTimes", "server_times", "stages"]
-
-_QUEUE = "vllm:request_queue_time_seconds"
-_FIRST_STEP = "vllm:request_prefill_time_seconds"
-_TTFT = "vllm:time_to_first_token_seconds"
-_E2E = "vllm:e2e_request_latency_seconds"
 
 #: The flows :func:`stages` knows, by how the request reaches the servers.
 FLOWS = ("single", "prefill-first", "decode-first")
@@ -64,22 +59,22 @@ class ServerTimes:
 
 
 def _mean(before: Metrics, after: Metrics, name: str) -> tuple[int, float]:
-    count = round(after.value(f"{name}_count") - before.value(f"{name}_count"))
-    total = after.value(f"{name}_sum") - before.value(f"{name}_sum")
-    return count, (total / count if count > 0 else 0.0)
+    (sum0, count0), (sum1, count1) = before.histogram(name), after.histogram(name)
+    count = round(count1 - count0)
+    return count, ((sum1 - sum0) / count if count > 0 else 0.0)
 
 
 def server_times(before: Metrics, after: Metrics) -> ServerTimes | None:
     """The mean intervals of the requests a server finished between two scrapes of its
     ``/metrics``; None when none finished."""
-    count, e2e = _mean(before, after, _E2E)
+    count, e2e = _mean(before, after, E2E_TIME)
     if count <= 0:
         return None
     return ServerTimes(
         requests=count,
-        queue_s=_mean(before, after, _QUEUE)[1],
-        first_step_s=_mean(before, after, _FIRST_STEP)[1],
-        ttft_s=_mean(before, after, _TTFT)[1],
+        queue_s=_mean(before, after, QUEUE_TIME)[1],
+        first_step_s=_mean(before, after, PREFILL_TIME)[1],
+        ttft_s=_mean(before, after, TTFT)[1],
         e2e_s=e2e,
     )
 

@@ -34,6 +34,7 @@ RD2H_ABORTS: Final = "vllm:rd2h_aborts_total"  # label direction: sent, received
 PREFILL_TIME: Final = "vllm:request_prefill_time_seconds"  # first scheduled -> first token
 QUEUE_TIME: Final = "vllm:request_queue_time_seconds"  # arrival -> first scheduled
 TTFT: Final = "vllm:time_to_first_token_seconds"  # the engine's own view
+E2E_TIME: Final = "vllm:e2e_request_latency_seconds"  # arrival -> finished
 #: vLLM NixlConnector's transfers on the reading side (histograms, one sample per transfer).
 NIXL_XFER_TIME: Final = "vllm:nixl_xfer_time_seconds"
 NIXL_BYTES: Final = "vllm:nixl_bytes_transferred"
