@@ -53,11 +53,12 @@ Exploring one state per orbit therefore reaches a state that breaks an invariant
 full exploration does. The fingerprint is the least hash of the canonical forms under
 every permutation of each class (:func:`fingerprint`): equal fingerprints mean forms that
 are equal up to a renaming, i.e. the same orbit. For the renaming to reach every
-occurrence, the canonical form writes structs and readiness frames as data (not as
-encoded bytes), every text that could embed an id is already left out of it, and block
-ids live in ranges of their own (``FIRST_PREFILL_BLOCK``...) above every other number a
-state holds (seqs and uids grow by a few per step; the explorer asserts its depth stays
-far below), so an int is renamed only if it is a block id. The cost is one canonical
+occurrence, the canonical form writes structs, readiness frames and the packed entries
+of a parked readiness as data (not as encoded bytes), every text that could embed an id
+is already left out of it, and block ids live in ranges of their own
+(``FIRST_PREFILL_BLOCK``...) above every other number a state holds (seqs and uids grow
+by a few per step; the explorer asserts its depth stays far below), so an int is renamed
+only if it is a block id. The cost is one canonical
 form per permutation (two for two requests).
 
 It is off by default (``--symmetry`` turns it on; ``--compare-reduction`` measures both
@@ -137,6 +138,7 @@ from rd2h_protocol.checker.snapshot import _connection_of, _share
 from rd2h_protocol.checker.world import World
 from rd2h_protocol.claim import decode_claim, decode_claim_answer
 from rd2h_protocol.consumer import ConsumerEndpoint
+from rd2h_protocol.consumer.frames import _UNPACK_DECODER
 from rd2h_protocol.plan import ReadPlan
 from rd2h_protocol.producer import ProducerEndpoint
 from rd2h_protocol.wire.codec import decode
@@ -222,6 +224,12 @@ _REFS: Final[dict[str, dict[str, str]]] = {
     "rd2h_protocol.producer.records._Pub": {"conn": "name", "requests": "ext_id"},
     "rd2h_protocol.producer.records._Request": {"conn": "name"},
     "rd2h_protocol.consumer.records._Readiness": {"accepted": "ext_id", "in_plan": "ext_id"},
+}
+# Attributes that hold structs packed as msgpack bytes, with their decoder: written as the
+# decoded data while structs are written as data (a renaming must reach the ids inside),
+# else as the bytes (they decide the data).
+_PACKED: Final[dict[str, dict[str, msgspec.msgpack.Decoder[Any]]]] = {
+    "rd2h_protocol.consumer.records._Readiness": {"packed": _UNPACK_DECODER},
 }
 _ATOMIC: Final[frozenset[type]] = frozenset({str, int, bytes, bool, type(None)})
 # Types whose values are their own canonical form: the atomic ones, or none while a
@@ -513,6 +521,7 @@ def _handler_for(t: type) -> Callable[[Any], _Canon]:
     qualname = t.__qualname__
 
     get_plain = operator.attrgetter(*plain) if len(plain) > 1 else None
+    packed = [(1 + plain.index(a), a, d) for a, d in _PACKED.get(name, {}).items() if a in plain]
 
     def handler(obj: Any) -> _Canon:
         fields: list[_Canon] = [qualname]
@@ -520,6 +529,11 @@ def _handler_for(t: type) -> Callable[[Any], _Canon]:
             fields.extend([v if type(v) in _AS_IS else _canon(v) for v in get_plain(obj)])
         elif plain:
             fields.append(_canon(getattr(obj, plain[0])))
+        if packed and _STRUCTS_AS_DATA[0]:
+            for at, attr, decoder in packed:
+                raw = getattr(obj, attr)
+                if raw is not None:
+                    fields[at] = _canon(decoder.decode(raw))
         for attr, key in referring:
             value = getattr(obj, attr)
             if isinstance(value, list | tuple):

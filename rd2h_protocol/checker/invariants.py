@@ -62,12 +62,13 @@ INVARIANTS: Final[tuple[Invariant, ...]] = (
             'v1_lease_expiry="reopen" toward a v1 Decode: the gate reopens at lease expiry '
             "while that peer may still be reading (v1's own behaviour, off by default)",
             "a Decode that cannot be told to stop (v1, or a v2 one without abort or lease) "
-            "and sends nothing for silent_peer_timeout_s (30 s) after a lease (30 s) ran "
-            "out is declared dead and the storage it held reopens: if it was slow rather "
-            "than dead, a read it starts after that reads reused storage. The price of L1: "
-            "without it one such peer holds every storage it was sent for as long as libzmq "
-            "keeps its connection, and stalls every other peer (silent_peer_timeout_s=None "
-            "keeps S1 and gives up L1 instead)",
+            "and sends nothing for silent_peer_timeout_s (by default one more lease, at "
+            "least SILENT_FLOOR_S) after a lease ran out is declared dead and the storage "
+            "it held reopens: if it was slow rather than dead, a read it starts after "
+            "that reads reused storage. The price of L1: without it one such peer holds "
+            "every storage it was sent for as long as libzmq keeps its connection, and "
+            "stalls every other peer (silent_peer_timeout_s=None keeps S1 and gives up L1 "
+            "instead)",
         ),
     ),
     Invariant(

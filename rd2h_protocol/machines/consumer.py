@@ -69,7 +69,7 @@ GUARDS: Final[dict[str, Guard]] = {
         "ConsumerEndpoint._serve (allow_park)",
     ),
     "park_has_room": Guard(
-        "the park has room: max_parked, max_parked_ids(_per_session)",
+        "the park has room: max_parked, max_parked_bytes(_per_session)",
         "ConsumerEndpoint._park_has_room",
     ),
     "requests_known": Guard(
