@@ -5,8 +5,8 @@ Run from the repository root (``rd2h bench serving`` runs the same)::
     python -m benchmarks.bench_serving            # about 10 min on 2 idle cores
     python -m benchmarks.bench_serving --quick    # a ~3 min smoke run
     python -m benchmarks.bench_serving --rounds 3 --lengths 64 450 --json out.json
-    python -m benchmarks.bench_serving --two-hosts          # across a limited link, ~12 min
-    python -m benchmarks.bench_serving --two-hosts --quick  # its ~4 min smoke run
+    python -m benchmarks.bench_serving --two-hosts          # across a limited link, ~7 min
+    python -m benchmarks.bench_serving --two-hosts --quick  # its ~3-5 min smoke run
 
 A random-weight Llama is built here (16 layers, hidden 384, 6 KV heads: 48 KiB of KV per
 token in float32), big enough that a 450-token prefill takes a few hundred ms on one core.
@@ -76,9 +76,18 @@ once per request in both flows, as do rd2h's control messages and every KV byte.
 
 Blocks: the single instance (in Decode's namespace, core 0), then per round rd2h-df,
 nixl (``--configs`` adds rd2h-pf: rd2h-pf, nixl, rd2h-df, nixl), each on fresh servers
-that serve every rate in turn (in ``--rates`` order in even rounds, reversed in odd ones, the same
-for both connectors of a round); prompts are distinct per rate. Ratios pool the blocks
-per (rate, length, concurrency). The goals of issue 23 are printed met / missed.
+that serve every rate in turn (in ``--rates`` order in even rounds, reversed in odd ones,
+the same for both connectors of a round); prompts are distinct per rate. Ratios pool the
+blocks per (rate, length, concurrency). Defaults: 2 rounds, ~256 and ~450 tokens;
+``--quick``: 1 round, 3 sequential and 4 concurrent requests per length and rate.
+Besides the /metrics above, a thread samples the bytes Decode's veth end received every
+5 ms while a cell runs (:class:`LinkMeter`): bytes / busy time is each connector's KV rate
+on the wire, the measure the read-rate goal uses. The goals of issue 23 are printed met /
+missed; "never above 1.0x on one host" is the default run's goal.
+
+Per-request data (``--json``): every completion's TTFT, end-to-end time, tokens and send
+time (``Result.sent_unix``, wall clock), and per cell the servers' /metrics deltas
+(``CellResult.server``): the place to join a per-request breakdown (issue 23 item 2).
 """
 
 from __future__ import annotations
