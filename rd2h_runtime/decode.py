@@ -138,10 +138,12 @@ class Outcome:
 
 @dataclass(frozen=True, slots=True)
 class ReadRecord:
-    """One batched read as the read worker ran it (for per-layer metrics).
+    """One plan's read as the read worker ran it (for per-layer metrics).
 
     ``nbytes`` and ``descriptors`` are 0 when the read failed before it was planned;
-    ``error`` is None on success.
+    ``error`` is None on success. ``seconds``: the plan's share of its engine read's time,
+    by bytes (an engine read moves several plans when they were queued together), so that
+    bytes over seconds summed over plans is the rate while reading.
     """
 
     layer_name: str
@@ -580,6 +582,7 @@ class DecodeWorker(EndpointWorker[Output, Outcome, bytes, ServerEvent]):
         else:
             error = None
         end = time.monotonic()
+        batch_bytes = sum(d.total_bytes for d in descs) if error is None else 0
         for n, i in enumerate(started):
             plan = plans[n]
             errors[i] = error
@@ -591,8 +594,10 @@ class DecodeWorker(EndpointWorker[Output, Outcome, bytes, ServerEvent]):
                 self.metrics.descriptors += ndesc
             else:
                 self.metrics.read_failures += 1
-            # Each plan of a batch is recorded with the batch's whole time.
-            self._last_reads.append(ReadRecord(plan.layer_name, nbytes, ndesc, end - start, error))
+            share = nbytes / batch_bytes if batch_bytes else 1 / len(started)
+            self._last_reads.append(
+                ReadRecord(plan.layer_name, nbytes, ndesc, (end - start) * share, error)
+            )
             if self._tracer is not None:
                 self._tracer.read(plan.read_id, plan.layer_name, start, end, nbytes, ndesc, error)
         if len(started) > 1:

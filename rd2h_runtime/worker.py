@@ -12,9 +12,10 @@ timer, then the waiters are woken (last, just before the lock is released). What
 reports to the caller's callback (:class:`~rd2h_protocol.producer.RequestFinished` on
 Prefill, :class:`~rd2h_runtime.decode.Outcome` on Decode) is reported outside the lock. An
 exception on a thread that carries the endpoint's input (the channel's handler thread:
-Prefill's I/O thread, Decode's dispatcher; Decode's read worker) is kept in :attr:`~EndpointWorker.errors` and logged, never let
-loose on that thread. Closing stops the channel, the role's own threads, the tracer and
-the backend (when owned), in that order.
+Prefill's I/O thread, Decode's dispatcher; Decode's read worker) is kept in
+:attr:`~EndpointWorker.errors` and logged, never let loose on that thread. Closing stops
+the channel, the role's own threads, the tracer and the backend (when owned), in that
+order.
 
 A role (:class:`~rd2h_runtime.prefill.PrefillWorker`,
 :class:`~rd2h_runtime.decode.DecodeWorker`) builds its endpoint and control channel,

@@ -270,7 +270,8 @@ class Rd2hPromMetrics(KVConnectorPromMetrics):
         )
         self.read_seconds = histogram(
             name="vllm:rd2h_read_seconds",
-            documentation="Duration of one RD2H batched layer read, per layer.",
+            documentation="Time of one RD2H layer read, per layer (an engine read of several "
+            "layers shares its time among them by bytes).",
             buckets=list(READ_SECONDS_BUCKETS),
             labelnames=[*labelnames, "layer"],
         )

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -16,7 +16,7 @@ from rd2h_protocol.errors import ErrorCode, TransferError
 from rd2h_protocol.plan import ReadPlan
 from rd2h_protocol.producer import DecodeTarget, ProducerConfig
 from rd2h_runtime.control import BindError, ControlClosed
-from rd2h_runtime.decode import DecodeWorker
+from rd2h_runtime.decode import DecodeWorker, ReadRecord
 from rd2h_runtime.planning import Descriptors, build_descriptors
 from rd2h_runtime.prefill import PrefillWorker
 from rd2h_runtime.tools.engines import (
@@ -92,7 +92,11 @@ class Pair:
     """
 
     def __init__(
-        self, before_read: object = None, planner: object = None, max_batched_reads: int = 1
+        self,
+        before_read: object = None,
+        planner: object = None,
+        max_batched_reads: int = 1,
+        on_read: Callable[[ReadRecord], None] | None = None,
     ) -> None:
         self.dest = DecodeDestinations(FLAT, 1)
         backend = create_backend("loopback", role="decode")
@@ -106,6 +110,7 @@ class Pair:
             control_options=FAST_CONTROL,
             planner=planner or build_descriptors,  # type: ignore[arg-type]
             max_batched_reads=max_batched_reads,
+            on_read=on_read,
         )
         self.cache = PrefillCache(FLAT)
         self.prefill = PrefillWorker(
@@ -277,7 +282,8 @@ def test_layers_queued_behind_a_slow_read_are_read_in_one_engine_call() -> None:
         if n == 1:
             release.wait(WAIT_S)
 
-    pair = Pair(before_read=hold_first, max_batched_reads=64)
+    records: list[ReadRecord] = []
+    pair = Pair(before_read=hold_first, max_batched_reads=64, on_read=records.append)
     layers = len(pair.cache.layers())
     threading.Timer(0.3, release.set).start()
     try:
@@ -285,6 +291,13 @@ def test_layers_queued_behind_a_slow_read_are_read_in_one_engine_call() -> None:
         assert calls in ([1], [1, 2]), f"{layers} layers read in {len(calls)} engine calls"
         assert pair.decode.metrics.batched_reads >= 1
         assert pair.decode.metrics.reads == layers  # each plan counted as read
+        # Each plan's record holds its byte share of its engine read's time: summed, the
+        # engine's time (bytes over seconds is the rate while reading, not a fraction).
+        assert len(records) == layers
+        assert sum(r.nbytes for r in records) == pair.decode.metrics.read_bytes
+        assert sum(r.seconds for r in records) == pytest.approx(
+            pair.decode.metrics.read_s, rel=0.05
+        )
         assert pair.decode.is_idle() and pair.prefill.is_idle()
     finally:
         release.set()
