@@ -85,9 +85,13 @@ Besides the /metrics above, a thread samples the bytes Decode's veth end receive
 on the wire, the measure the read-rate goal uses. The goals of issue 23 are printed met /
 missed; "never above 1.0x on one host" is the default run's goal.
 
-Per-request data (``--json``): every completion's TTFT, end-to-end time, tokens and send
-time (``Result.sent_unix``, wall clock), and per cell the servers' /metrics deltas
-(``CellResult.server``): the place to join a per-request breakdown (issue 23 item 2).
+Where a sequential request's TTFT goes, for every configuration: the client's mean TTFT
+laid over vLLM's own per-request intervals on each server (queue, first step) with
+:mod:`rd2h_vllm.serving.breakdown` (``CellResult.stages``); for rd2h's own stages (claim,
+publish, read, reply, the scheduler noticing) run the servers with ``RD2H_TRACE_DIR`` and
+``rd2h trace requests``. ``--json`` keeps every completion's TTFT, end-to-end time, tokens
+and send time (``Result.sent_unix``, wall clock) and per cell the servers' /metrics deltas
+(``CellResult.server``) and stages.
 """
 
 from __future__ import annotations
@@ -116,6 +120,7 @@ import httpx
 import numpy as np
 
 from rd2h_runtime.tools import netns
+from rd2h_vllm.serving.breakdown import mean_stages, server_times, stage_line, stages
 from rd2h_vllm.serving.client import (
     NIXL_BYTES,
     NIXL_XFER_TIME,
@@ -151,6 +156,13 @@ PREFILL_CPUS: Final = (0,)
 DECODE_CPUS: Final = (1,)
 
 CONFIGS: Final = ("plain", "nixl", "rd2h-pf", "rd2h-df")
+#: How each configuration's requests reach its servers (rd2h_vllm.serving.breakdown.FLOWS).
+FLOW_OF: Final = {
+    "plain": "single",
+    "nixl": "prefill-first",
+    "rd2h-pf": "prefill-first",
+    "rd2h-df": "decode-first",
+}
 DESCRIPTIONS: Final = {
     "plain": "single instance, no connector",
     "nixl": "vLLM NixlConnector P+D behind vllm-router",
@@ -311,9 +323,11 @@ class CellResult:
     decode_local: float = 0.0
     decode_cache_hit: float = 0.0
     rate: int | None = None  # the link's Mbit/s (0: no limit); None: one host
-    #: This cell's deltas of the servers' /metrics (:func:`server_deltas`); a per-request
-    #: breakdown goes beside it, joined on ``Result.sent_unix``.
+    #: This cell's deltas of the servers' /metrics (:func:`server_deltas`).
     server: dict[str, float] = field(default_factory=dict)
+    #: Sequential cells: the client's mean TTFT laid over vLLM's own per-request intervals
+    #: on each server (rd2h_vllm.serving.breakdown), ``(stage, seconds)`` in order.
+    stages: list[tuple[str, float]] = field(default_factory=list)
 
 
 @dataclass
@@ -644,6 +658,7 @@ def run_block(
                 p1 = settled_scrape(prefill.url, p0, expected) if decode is not prefill else after
                 ext, loc, hit = prompt_sources(before, after)
                 deltas = server_deltas(p0, p1, before, after)
+                laid = cell_stages(config, results, [(p0, p1), (before, after)])
                 if meter is not None:
                     deltas["link_bytes"] = meter.total
                     deltas["link_busy_bytes"] = meter.busy_total
@@ -660,6 +675,7 @@ def run_block(
                         hit,
                         rate,
                         deltas,
+                        laid,
                     )
                 )
                 progress.advance(len(cell.prompts))
@@ -690,6 +706,45 @@ def run_block(
         for proc in procs:
             proc.reap(wait=True)
     return block
+
+
+def cell_stages(
+    config: str, results: Sequence[Result], scrapes: Sequence[tuple[Metrics, Metrics]]
+) -> list[tuple[str, float]]:
+    """A sequential cell's mean TTFT over its servers' intervals (empty for concurrent
+    cells, whose intervals overlap, or when a server's histograms did not move)."""
+    ttfts = [r.ttft_s for r in results if not r.error]
+    if not ttfts or any(r.error for r in results) or len(ttfts) != len(results):
+        return []
+    servers = [server_times(a, b) for a, b in scrapes[: 1 if config == "plain" else 2]]
+    if any(s is None or s.requests != len(results) for s in servers):
+        return []
+    return stages(FLOW_OF[config], statistics.mean(ttfts), servers)
+
+
+def stage_lines(blocks: Sequence[Block]) -> list[str]:
+    """Per rate, length and configuration, where a sequential request's TTFT went: the
+    mean over blocks of each cell's stages."""
+    pooled: dict[tuple[int | None, int, str], list[list[tuple[str, float]]]] = {}
+    for block in blocks:
+        for c in block.cells:
+            if c.stages:
+                pooled.setdefault((c.rate, c.length, c.config), []).append(c.stages)
+    if not pooled:
+        return []
+    lines = [
+        "where a sequential request's TTFT goes, mean ms (vLLM's own per-request intervals on "
+        "each server: queue = queued -> first scheduled, on Decode the KV wait; first step = "
+        "first scheduled -> first token; HTTP = the rest: client, router or proxy, front ends)"
+    ]
+    order = {name: i for i, name in enumerate(CONFIGS)}
+    for (rate, length, config), samples in sorted(
+        pooled.items(), key=lambda kv: (_rate_order(kv[0][0]), kv[0][1], order[kv[0][2]])
+    ):
+        lines.append(
+            f"{rate_label(rate):>11} {length:>4} {config:<8} {stage_line(mean_stages(samples))}"
+        )
+    return lines
 
 
 def foreign_cores(busy_jiffies: int, own_s: float, wall_s: float) -> float:
@@ -867,7 +922,8 @@ def render(rows: Sequence[Row], blocks: Sequence[Block], args: argparse.Namespac
             f"{r.prompt_tokens_mean:>5.0f} {r.ttft_p50_ms:>7.1f}ms {r.ttft_p90_ms:>6.1f}ms "
             f"{r.e2e_p50_ms:>6.1f}ms {rt:>7} {f'{r.matched}/{r.n}':>7}  {src}"
         )
-    lines += ["", *server_side(rows, two), "", *fresh_vs_warm(blocks), "", *drift(blocks, two)]
+    lines += ["", *server_side(rows, two), "", *stage_lines(blocks)]
+    lines += ["", *fresh_vs_warm(blocks), "", *drift(blocks, two)]
     return "\n".join(lines)
 
 

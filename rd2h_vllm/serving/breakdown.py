@@ -16,8 +16,8 @@ instrumentation needed. Two of them matter here:
 
 * ``single``: front end (API server, tokenizing, the client's HTTP), queue, compute;
 * ``prefill-first`` (a router: Prefill answers first, then Decode is asked): Prefill's
-  queue, compute and answer, the HTTP hops (client, router, both front ends), Decode's KV
-  wait and first step;
+  queue, compute, and front end (arrival -> queued, first token -> answer), the HTTP
+  hops (client, router, both front ends), Decode's KV wait and first step;
 * ``decode-first`` (``rd2h proxy``: Decode is asked first and Prefill runs while Decode
   waits): the HTTP hops, then Decode's KV wait split into Prefill's queue and compute and
   the rest (the rendezvous, the proxy's dispatch to Prefill, the layers Prefill's compute
@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 from rd2h_vllm.serving.client import E2E_TIME, PREFILL_TIME, QUEUE_TIME, TTFT, Metrics
 
-__all__ = ["FLOWS", "ServerTimes", "server_times", "stages"]
+__all__ = ["FLOWS", "ServerTimes", "mean_stages", "server_times", "stage_line", "stages"]
 
 #: The flows :func:`stages` knows, by how the request reaches the servers.
 FLOWS = ("single", "prefill-first", "decode-first")
@@ -106,7 +106,7 @@ def stages(
         return [
             ("Prefill: queue", prefill.queue_s),
             ("Prefill: compute", prefill.first_step_s),
-            ("Prefill: answer", prefill.e2e_s - p_work),
+            ("Prefill: front end, answer", prefill.e2e_s - p_work),
             (
                 "HTTP hops, front ends",
                 client_ttft_s - prefill.e2e_s - decode.queue_s - decode.first_step_s,
@@ -121,3 +121,17 @@ def stages(
         ("Decode: rest of KV wait", decode.queue_s - p_work),
         ("Decode: first step", decode.first_step_s),
     ]
+
+
+def mean_stages(samples: Sequence[Sequence[tuple[str, float]]]) -> list[tuple[str, float]]:
+    """The mean of each stage over ``samples`` of one flow (e.g. one per block), in order."""
+    if not samples:
+        return []
+    names = [name for name, _ in samples[0]]
+    return [(name, sum(dict(s)[name] for s in samples) / len(samples)) for name in names]
+
+
+def stage_line(stages_s: Sequence[tuple[str, float]]) -> str:
+    """``stage ms | stage ms | ... = total ms`` for a table row."""
+    parts = [f"{name} {value * 1e3:.1f}" for name, value in stages_s]
+    return " | ".join(parts) + f" = {sum(v for _, v in stages_s) * 1e3:.1f} ms"
