@@ -199,6 +199,11 @@ _SKIP: Final[dict[str, frozenset[str]]] = {
             "_aborts",
             "_reads",
             "_entry_cache",
+            # What sessions hold in bytes acts only beyond the session budgets (MiBs),
+            # which the model's few small sessions never approach.
+            "_session_bytes",
+            "_session_bytes_by_origin",
+            "_origin_sessions",
         }
     ),
     # history only tells a stale reply from a duplicate one (a counter); next_seq is a label.
@@ -210,7 +215,7 @@ _SKIP: Final[dict[str, frozenset[str]]] = {
     "rd2h_protocol.consumer.records._ParkedAbort": frozenset({"reason"}),
     # The reply memory is written by _canon_world, only where it can still be asked.
     "rd2h_protocol.consumer.records._Session": frozenset(
-        {"validated", "remembered", "remembered_bytes"}
+        {"validated", "remembered", "remembered_bytes", "held", "layout_bytes"}
     ),
     # A request's spec and block ids never change; its key says which request it is.
     "rd2h_protocol.checker.model._Req": frozenset({"spec", "pmain", "pidx", "dmain", "didx"}),

@@ -31,14 +31,19 @@ class ConsumerConfig:
     alone. ``max_read_retries``: retries of a batched read that failed with a
     transient error. ``max_retired``: how many recently finished request ids are
     remembered, so a late readiness for them is refused at once instead of parked.
-    ``max_sessions``: Prefill sessions kept (the oldest handshake is forgotten first);
-    ``max_session_bytes`` bounds the layouts they keep (counted as the bytes of their
-    encoded MF_META layouts; the decoded form costs 4.3 times that, measured for a
-    4096-layer layout, so the default 64 MiB keeps about 280 MB; a 61-layer layout
-    encodes in about 10 KB) and
-    ``max_session_bytes_per_peer`` what the sessions one connection opened keep: beyond
-    it that connection's oldest sessions are forgotten, nobody else's. A forgotten
-    session's Prefill (v2) is told UNKNOWN_SESSION and hand-shakes again.
+    ``max_sessions``: Prefill sessions kept (beyond it, the least recently bound session
+    of the connection that holds the most goes). ``max_session_bytes`` bounds the bytes
+    the sessions hold in all, and ``max_session_bytes_per_peer`` what the sessions one
+    connection opened hold: a session's record, the decoded layouts of this rank's layers
+    (only those are kept, whatever the handshake lists), its validated layers, its reply
+    memory (at most 1 MiB) and its last readiness entries while they are kept (see
+    :mod:`rd2h_protocol.consumer.held`). Beyond a connection's budget its own kept entries
+    go first, then its least recently bound sessions, nobody else's; beyond the total,
+    those of the connections that hold the most. A forgotten session's Prefill (v2) is
+    told UNKNOWN_SESSION and hand-shakes again. The defaults keep one peer's sessions
+    within 16 MiB (the entries of the largest legal readiness,
+    :data:`~rd2h_protocol.wire.messages.MAX_BLOCK_IDS_PER_READINESS` ids, are charged at
+    most 11 MiB, and fit) and all within 64 MiB.
     ``main_shared``: the main destinations are one pool shared by the Decode TP ranks
     (vllm-ascend's SparseKVOffloadManager, a TP-shared host pool), so each rank reads a
     disjoint share of the main blocks; False when every rank has its own full main KV
@@ -57,7 +62,7 @@ class ConsumerConfig:
     max_retired: int = 16384
     max_sessions: int = 4096
     max_session_bytes: int = 64 << 20
-    max_session_bytes_per_peer: int = 4 << 20
+    max_session_bytes_per_peer: int = 16 << 20
     max_parked_bytes: int = 64 << 20
     max_parked_bytes_per_session: int = 16 << 20
     main_shared: bool = True
@@ -93,6 +98,11 @@ class ConsumerConfig:
             raise ConfigError(
                 "max_parked_bytes_per_session must not exceed max_parked_bytes, got "
                 f"{self.max_parked_bytes_per_session} > {self.max_parked_bytes}"
+            )
+        if self.max_session_bytes_per_peer > self.max_session_bytes:
+            raise ConfigError(
+                "max_session_bytes_per_peer must not exceed max_session_bytes, got "
+                f"{self.max_session_bytes_per_peer} > {self.max_session_bytes}"
             )
         if self.max_sessions < 1:
             raise ConfigError(f"max_sessions must be >= 1, got {self.max_sessions}")
@@ -131,4 +141,6 @@ class ConsumerStats:
     requests_failed: int = 0
     protocol_errors: int = 0
     sessions_forgotten: int = 0  # beyond max_sessions or a byte budget
+    entries_dropped: int = 0  # kept readiness entries forgotten beyond a session budget
     park_budget_refusals: int = 0  # beyond max_parked_bytes(_per_session)
+    block_id_refusals: int = 0  # readiness over MAX_BLOCK_IDS_PER_READINESS (also malformed)

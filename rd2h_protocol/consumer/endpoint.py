@@ -17,7 +17,8 @@ from rd2h_protocol.consumer.frames import (
     _unique,
     _with_entries,
 )
-from rd2h_protocol.consumer.records import _KeptEntries, _Readiness, _Request
+from rd2h_protocol.consumer.held import _entries_cost
+from rd2h_protocol.consumer.records import _KeptEntries, _Readiness, _Request, _Session
 from rd2h_protocol.consumer.replies import _clip
 from rd2h_protocol.consumer.sessions import _SessionEffects
 from rd2h_protocol.errors import (
@@ -64,7 +65,7 @@ from rd2h_protocol.machines.consumer import (
     SESSION_V2,
 )
 from rd2h_protocol.machines.declare import NO_EFFECT, no_effect
-from rd2h_protocol.wire.codec import decode
+from rd2h_protocol.wire.codec import TooManyBlockIds, check_block_ids, decode
 from rd2h_protocol.wire.messages import (
     CAP_ABORT,
     MAX_FRAME_BYTES,
@@ -73,6 +74,7 @@ from rd2h_protocol.wire.messages import (
     Message,
     MfMeta,
     ReadReadyBatch,
+    ReadReq,
 )
 
 
@@ -286,15 +288,14 @@ class ConsumerEndpoint(_SessionEffects):
         """
         if not isinstance(frame, bytes | bytearray | memoryview):
             return self._receive(peer, frame, now, None)
-        bounded = self._decode_bounded(peer, frame)
-        if bounded is not None:
-            readiness, ids_below = bounded
-            return self._receive(peer, readiness, now, ids_below)
         try:
-            msg = decode(frame)
+            bounded = self._decode_bounded(peer, frame)
+            msg = decode(frame) if bounded is None else bounded[0]
         except RemoteProtocolError as exc:
             self.stats.malformed_frames += 1
-            ident = _identify_readiness(frame)
+            if isinstance(exc, TooManyBlockIds):
+                self.stats.block_id_refusals += 1
+            ident = getattr(exc, "ident", None) or _identify_readiness(frame)
             if ident is None:
                 self.stats.dropped += 1
                 return []
@@ -305,7 +306,7 @@ class ConsumerEndpoint(_SessionEffects):
             )
             self._fail_known(ids, now, exc.code, f"malformed readiness: {exc.message}")
             return self._flush()
-        return self._receive(peer, msg, now, None)
+        return self._receive(peer, msg, now, None if bounded is None else bounded[1])
 
     def _decode_bounded(
         self, peer: bytes, frame: bytes | bytearray | memoryview
@@ -313,6 +314,10 @@ class ConsumerEndpoint(_SessionEffects):
         """A readiness from a bound session, decoded with its Prefill block id bound checked
         (the layout's smallest ``num_blocks``; without one, the wire's own limit, which is
         exactly the codec's check), and the bound; None to take the general path.
+
+        A readiness that carries more block ids than the wire allows raises
+        :class:`TooManyBlockIds` before any id is decoded (see
+        :data:`~rd2h_protocol.wire.messages.MAX_BLOCK_IDS_PER_READINESS`).
 
         None covers every frame this cannot vouch for: not a readiness as encoders write
         it, no session, too big, malformed, or ANY id at or past the bound. The
@@ -351,14 +356,32 @@ class ConsumerEndpoint(_SessionEffects):
                     rest = b"".join((frame[:at], _EMPTY_ARRAY, frame[at + len(raw) :]))
                     return _with_entries(_SHELL_DECODER.decode(rest), entries), bound
             shell = _SHELL_DECODER.decode(frame)
+        except Exception:  # malformed: the general path judges it
+            return None
+        try:
+            check_block_ids(shell.read_reqs)
+        except TooManyBlockIds as exc:
+            # What the failure reply needs, without another pass over the frame.
+            exc.ident = (shell.layer_idx, shell.seq, _unique([*exc.names, *shell.done_ext_ids]))
+            raise
+        try:
             entries = _bounded_entries(bound).decode(shell.read_reqs)
         except Exception:  # out of bound or malformed: the general path judges it
             return None
-        self._entry_cache[session.name] = _KeptEntries(bytes(shell.read_reqs), entries)
-        self._entry_cache.move_to_end(session.name)
-        while len(self._entry_cache) > _ENTRY_CACHE_SESSIONS:
-            self._entry_cache.popitem(last=False)
+        self._keep_entries(session, bytes(shell.read_reqs), entries)
         return _with_entries(shell, entries), bound
+
+    def _keep_entries(self, session: _Session, raw: bytes, entries: list[ReadReq]) -> None:
+        """Keep ``session``'s last entries (see _decode_bounded), charged to its budgets:
+        at most _ENTRY_CACHE_SESSIONS sessions' and what the byte budgets leave room for
+        (entries that do not fit are not kept: the next layer decodes its own)."""
+        self._drop_entries(session.name)
+        kept = _KeptEntries(raw, entries, _entries_cost(raw, entries))
+        self._entry_cache[session.name] = kept
+        self._charge(session, kept.cost)
+        while len(self._entry_cache) > _ENTRY_CACHE_SESSIONS:
+            self._drop_entries(next(iter(self._entry_cache)))
+        self._enforce_session_budgets(session)
 
     def _receive(
         self, peer: bytes, msg: Message, now: float, ids_below: int | None

@@ -28,8 +28,8 @@ from typing import Final
 import msgspec
 
 from rd2h_protocol.consumer.frames import _PARK_ENCODER, _UNPACK_DECODER, _message_ids
+from rd2h_protocol.consumer.held import _SessionBudgets
 from rd2h_protocol.consumer.records import _Parked, _ParkedAbort, _Readiness
-from rd2h_protocol.consumer.state import _EndpointState
 from rd2h_protocol.errors import ErrorCode
 from rd2h_protocol.machines.consumer import M_LOCAL_UNPARK, R_RECV_ABORT
 
@@ -64,7 +64,7 @@ def _park_cost(item: _Parked, packed: bytes | None = None) -> int:
     return held
 
 
-class _Parking(_EndpointState):
+class _Parking(_SessionBudgets):
     """The park and the memory of retired requests."""
 
     def _park(self, item: _Parked) -> bool:

@@ -28,6 +28,7 @@ from rd2h_protocol.wire.messages import (
 class _Session:
     __slots__ = (
         "caps",
+        "held",
         "id_bound",
         "layers",
         "layout_bytes",
@@ -47,7 +48,11 @@ class _Session:
         self.state = SESSION_UNBOUND
         self.peer: bytes | None = None
         self.origin = origin  # the connection that opened it (its budget pays for it)
-        self.layout_bytes = 0  # its encoded layout's size (see max_session_bytes)
+        # Bytes it holds, charged to its origin's and the total session budgets (see
+        # max_session_bytes): the record, its decoded layouts (layout_bytes), validated
+        # layers, its reply memory (remembered_bytes) and its kept entries, if any.
+        self.held = 0
+        self.layout_bytes = 0
         self.caps: frozenset[str] = frozenset()
         self.layers: dict[str, LayerLayout] = {}
         # Every Prefill block id of the layout lies below this (None: a layout without
@@ -155,11 +160,12 @@ class _KeptEntries:
     layer of an engine step carries the same entries, so their shares are worked out on
     its first layer and only looked up on the others."""
 
-    __slots__ = ("entries", "raw", "shares")
+    __slots__ = ("cost", "entries", "raw", "shares")
 
-    def __init__(self, raw: bytes, entries: list[ReadReq]) -> None:
+    def __init__(self, raw: bytes, entries: list[ReadReq], cost: int = 0) -> None:
         self.raw = raw
         self.entries = entries
+        self.cost = cost  # bytes held, charged to the session (see _entries_cost)
         # ext -> (entry, request, share rule, share): the share stands for that entry of
         # that request record under that rule (entries and destination ids never change).
         self.shares: dict[str, tuple[ReadReq, _Request, object, RequestRead]] = {}

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Final
 
 from rd2h_protocol.consumer.frames import _message_ids
+from rd2h_protocol.consumer.held import _reply_cost
 from rd2h_protocol.consumer.records import _Readiness, _Session
 from rd2h_protocol.consumer.requests import _RequestEffects
 from rd2h_protocol.errors import ErrorCode
@@ -30,8 +31,9 @@ _REPLY_TEXT_BUDGET: Final = MAX_FRAME_BYTES // 2
 
 # What a session remembers of its recent readiness (by seq: the reply, or None while it is
 # being served), to answer a resent one without reading twice: at most this many seqs and
-# about this many bytes of replies (a resend older than that is dropped; its lease covers
-# it). Prefill resends only what is unanswered, a few storages' worth.
+# this many bytes held (held.py's _reply_cost; a resend older than that is dropped; its
+# lease covers it). Prefill resends only what is unanswered, a few storages' worth. What
+# is remembered counts against the session budgets too.
 _REMEMBERED_SEQS: Final = 256
 
 
@@ -40,13 +42,6 @@ _REMEMBERED_BYTES: Final = 1 << 20
 
 def _clip(text: str) -> str:
     return text if len(text) <= MAX_TEXT_LEN else text[: MAX_TEXT_LEN - 3] + "..."
-
-
-def _reply_size(reply: ReadDone | ReadFailed) -> int:
-    """About what a remembered reply costs in bytes (its texts and ids dominate)."""
-    if isinstance(reply, ReadFailed):
-        return 64 + len(reply.error or "")
-    return 64 + sum(64 + len(f.ext_req_id) + len(f.message or "") for f in reply.failed or ())
 
 
 class _Replies(_RequestEffects):
@@ -93,19 +88,21 @@ class _Replies(_RequestEffects):
         if fail_known:
             self._fail_known(_message_ids(rd.msg), now, code, text)
 
-    @staticmethod
-    def _remember(session: _Session, seq: int, reply: ReadDone | ReadFailed | None) -> None:
+    def _remember(self, session: _Session, seq: int, reply: ReadDone | ReadFailed | None) -> None:
         """Record ``seq``'s reply (None: being served), within the session's bounds."""
         remembered = session.remembered
-        old = remembered.get(seq)
-        if old is not None:
-            session.remembered_bytes -= _reply_size(old)
+        before = session.remembered_bytes
+        if seq in remembered:
+            session.remembered_bytes -= _reply_cost(remembered[seq])
         remembered[seq] = reply
-        if reply is not None:
-            session.remembered_bytes += _reply_size(reply)
+        session.remembered_bytes += _reply_cost(reply)
         while remembered and (
             len(remembered) > _REMEMBERED_SEQS or session.remembered_bytes > _REMEMBERED_BYTES
         ):
             _, evicted = remembered.popitem(last=False)
-            if evicted is not None:
-                session.remembered_bytes -= _reply_size(evicted)
+            session.remembered_bytes -= _reply_cost(evicted)
+        grown = session.remembered_bytes - before
+        if grown and self._sessions.get(session.name) is session:
+            self._charge(session, grown)
+            if grown > 0:
+                self._enforce_session_budgets(session)

@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 
 from rd2h_protocol.completion import ContributorSet
 from rd2h_protocol.consumer.frames import _message_ids, _unique
+from rd2h_protocol.consumer.held import _VALIDATED_BYTES
 from rd2h_protocol.consumer.reads import _ReadOutcomes
 from rd2h_protocol.consumer.records import _Readiness, _Request, _Session
 from rd2h_protocol.consumer.replies import _clip
@@ -138,6 +139,8 @@ class _Serving(_ReadOutcomes):
             except LayoutMismatch as exc:
                 comps = exc
             session.validated[key] = comps
+            self._account_layout(session, session.layout_bytes + _VALIDATED_BYTES)
+            self._enforce_session_budgets(session)
         if isinstance(comps, LayoutMismatch):
             self._refuse(rd, now, ErrorCode.LAYOUT_MISMATCH, _explain(comps, msg.tp_ratio))
             return

@@ -7,11 +7,14 @@ answered from memory, a seq gap refused.
 
 from __future__ import annotations
 
+import sys
+from collections import OrderedDict
 from collections.abc import Mapping
 
 import msgspec
 
 from rd2h_protocol.consumer.frames import _unique
+from rd2h_protocol.consumer.held import _SESSION_RECORD_BYTES, _layouts_cost
 from rd2h_protocol.consumer.parking import _park_cost
 from rd2h_protocol.consumer.records import _ParkedAbort, _Readiness, _Session
 from rd2h_protocol.consumer.replies import _REMEMBERED_SEQS, _clip
@@ -85,13 +88,18 @@ class _SessionEffects(_Serving):
     def _install_handshake(
         self, session: _Session, msg: MfMeta, layers: dict[str, LayerLayout]
     ) -> None:
-        """A new MF_META replaces the session's previous handshake, refused or not."""
+        """A new MF_META replaces the session's previous handshake, refused or not.
+
+        Only the layouts of this rank's layers are kept: a readiness for any other layer
+        is refused before its layout is looked at (see _Serving), so what a session holds
+        is bounded by this rank's layers, not by what the peer sent."""
         v2 = msg.protocol_version is not None and msg.protocol_version >= 2
         session.validated = {}
-        session.layers = layers
         session.id_bound = _id_bound(layers)
-        self._entry_cache.pop(session.name, None)
-        self._account_layout(session, len(msg.encoded_layer_metadata) if layers else 0)
+        ours = self._by_name
+        session.layers = {name: lay for name, lay in layers.items() if name in ours}
+        self._drop_entries(session.name)
+        self._account_layout(session, _layouts_cost(session.layers) if session.layers else 0)
         self._enforce_session_budgets(session)
         session.caps = frozenset(msg.capabilities or ()) & self._caps if v2 else frozenset()
         session.next_seq = msg.first_seq if v2 else None
@@ -158,10 +166,16 @@ class _SessionEffects(_Serving):
         if session is None:
             session = _Session(name, peer)
             self._sessions[name] = session
+            self._origin_sessions.setdefault(peer, OrderedDict())[name] = None
+            self._charge(session, _SESSION_RECORD_BYTES + sys.getsizeof(name))
             while len(self._sessions) > self.config.max_sessions:
-                self._forget_session(next(iter(self._sessions)))
+                # One of the heaviest connection's sessions goes: a connection that opens
+                # session after session forgets its own, nobody else's.
+                if not any(self._shed(o, session, entries=False) for o in self._by_weight()):
+                    break
         else:
             self._sessions.move_to_end(name)
+            self._origin_sessions[session.origin].move_to_end(name)
         # Invariant: every (peer -> name) in _peers has sessions[name].peer == peer.
         previous = self._peers.get(peer)
         if previous is not None and previous != name:
@@ -171,45 +185,6 @@ class _SessionEffects(_Serving):
         session.peer = peer
         self._peers[peer] = name
         return session
-
-    def _forget_session(self, name: str) -> None:
-        """Drop session ``name`` and what it keeps; its Prefill learns UNKNOWN_SESSION."""
-        old = self._sessions.pop(name)
-        if old.peer is not None:
-            self._peers.pop(old.peer, None)
-        self._entry_cache.pop(name, None)
-        self._account_layout(old, 0)
-        self.stats.sessions_forgotten += 1
-
-    def _account_layout(self, session: _Session, size: int) -> None:
-        """Set what ``session``'s layout counts against the session byte budgets."""
-        delta = size - session.layout_bytes
-        session.layout_bytes = size
-        self._session_bytes += delta
-        left = self._session_bytes_by_origin.get(session.origin, 0) + delta
-        if left:
-            self._session_bytes_by_origin[session.origin] = left
-        else:
-            self._session_bytes_by_origin.pop(session.origin, None)
-
-    def _enforce_session_budgets(self, keep: _Session) -> None:
-        """Forget the oldest sessions beyond the byte budgets, never ``keep``: first those
-        ``keep``'s connection opened (its budget), then anyone's (the total)."""
-        origin = keep.origin
-        if self._session_bytes_by_origin.get(origin, 0) > self.config.max_session_bytes_per_peer:
-            for name in [n for n, s in self._sessions.items() if s.origin == origin]:
-                if (
-                    name == keep.name
-                    or self._session_bytes_by_origin.get(origin, 0)
-                    <= self.config.max_session_bytes_per_peer
-                ):
-                    break
-                self._forget_session(name)
-        while self._session_bytes > self.config.max_session_bytes:
-            oldest = next(iter(self._sessions))
-            if oldest == keep.name:
-                break
-            self._forget_session(oldest)
 
     def _session_of(self, peer: bytes) -> _Session | None:
         name = self._peers.get(peer)

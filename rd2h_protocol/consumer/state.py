@@ -50,8 +50,10 @@ class _EndpointState:
         self._parked: dict[int, _Parked] = {}
         self._parked_bytes = 0  # what the parked items hold (see max_parked_bytes)
         self._parked_bytes_by_session: dict[str, int] = {}
-        self._session_bytes = 0  # encoded layout bytes of the sessions kept
+        self._session_bytes = 0  # bytes the sessions kept hold (see _Session.held)
         self._session_bytes_by_origin: dict[bytes, int] = {}
+        # connection -> the sessions it opened, least recently bound first
+        self._origin_sessions: dict[bytes, OrderedDict[str, None]] = {}
         # awaited request id -> the park id waiting for it, or their ascending tuple
         self._waiting: dict[str, int | tuple[int, ...]] = {}
         self._retired: OrderedDict[str, None] = OrderedDict()

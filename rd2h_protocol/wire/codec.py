@@ -5,7 +5,10 @@ caller can drop, count and reply to a bad frame without guessing what it raised.
 refuses, and as which error:
 
 - a frame over :data:`~rd2h_protocol.wire.messages.MAX_FRAME_BYTES`, a list or string over
-  its bound: :class:`FrameTooLarge`;
+  its bound: :class:`FrameTooLarge`; a readiness that carries more than
+  :data:`~rd2h_protocol.wire.messages.MAX_BLOCK_IDS_PER_READINESS` block ids in all:
+  :class:`TooManyBlockIds` (a :class:`FrameTooLarge`), found from the lists' headers
+  before any id is decoded;
 - an integer outside its range (negative ids, a layer index over 32 bits):
   :class:`ValueOutOfRange`;
 - a tag that names no message: :class:`UnknownMessageKind`;
@@ -21,9 +24,10 @@ from __future__ import annotations
 
 import operator
 import re
-from typing import Final
+from typing import Annotated, Final
 
 import msgspec
+from msgspec import Meta
 
 from rd2h_protocol.errors import (
     FrameTooLarge,
@@ -34,10 +38,14 @@ from rd2h_protocol.errors import (
     ValueOutOfRange,
 )
 from rd2h_protocol.wire.messages import (
+    MAX_BLOCK_IDS_PER_READINESS,
     MAX_FRAME_BYTES,
+    MAX_NAME_LEN,
+    MAX_REQUESTS_PER_BATCH,
     MESSAGE_TYPES,
     OUT_OF_RANGE_PREFIX,
     TAG_ACK_V1,
+    TAG_READ_READY_BATCH,
     Ack,
     Message,
     ReadReadyBatch,
@@ -142,6 +150,103 @@ def _tag_of(frame: bytes | bytearray | memoryview) -> bytes:
     return tag
 
 
+class TooManyBlockIds(FrameTooLarge):
+    """A readiness carries more block ids than
+    :data:`~rd2h_protocol.wire.messages.MAX_BLOCK_IDS_PER_READINESS`; ``names`` are the
+    request ids its entries name (those that are strings within their bound); a receiver
+    may set ``ident`` to what its failure reply needs: ``(layer_idx, seq, request ids)``."""
+
+    names: list[str]
+    ident: tuple[int, int | None, list[str]] | None = None
+
+
+class _EntryIds(msgspec.Struct, array_like=True):
+    """A ``read_reqs`` entry's id lists left undecoded (trailing fields skipped)."""
+
+    ext_req_id: msgspec.Raw
+    main_block_ids: msgspec.Raw
+    indexer_block_ids: msgspec.Raw = msgspec.Raw()
+
+
+class _ReadinessIds(msgspec.Struct, array_like=True):
+    kind: bytes
+    layer_idx: msgspec.Raw
+    layer_name: msgspec.Raw
+    read_reqs: msgspec.Raw
+
+
+_ENTRY_IDS_DECODER: Final = msgspec.msgpack.Decoder(
+    Annotated[list[_EntryIds], Meta(max_length=MAX_REQUESTS_PER_BATCH)]
+)
+_READINESS_IDS_DECODER: Final = msgspec.msgpack.Decoder(_ReadinessIds)
+
+
+def _array_len(raw: bytes | memoryview) -> int:
+    """The length a msgpack array says it has (0 for anything that is not one)."""
+    if not raw:
+        return 0
+    head = raw[0]
+    if 0x90 <= head <= 0x9F:
+        return head & 0x0F
+    if head == 0xDC:
+        return int.from_bytes(raw[1:3], "big")
+    if head == 0xDD:
+        return int.from_bytes(raw[1:5], "big")
+    return 0
+
+
+_NAME_DECODER: Final = msgspec.msgpack.Decoder(Annotated[str, Meta(max_length=MAX_NAME_LEN)])
+
+
+def _entry_names(items: list[_EntryIds]) -> list[str]:
+    names = []
+    for item in items:
+        try:
+            names.append(_NAME_DECODER.decode(item.ext_req_id))
+        except Exception:
+            continue
+    return names
+
+
+def _count_entries(entries: bytes | memoryview) -> tuple[int, list[_EntryIds]] | None:
+    if len(entries) <= MAX_BLOCK_IDS_PER_READINESS:
+        return len(entries), []
+    try:
+        items = _ENTRY_IDS_DECODER.decode(entries)
+    except Exception:
+        return None
+    total = 0
+    for item in items:
+        total += _array_len(memoryview(item.main_block_ids))
+        total += _array_len(memoryview(item.indexer_block_ids))
+    return total, items
+
+
+def block_ids_in_entries(entries: bytes | memoryview) -> int | None:
+    """How many block ids the encoded ``read_reqs`` of a readiness carry in all (the sum
+    of every id list's length, read from the lists' headers: no id is decoded), or None
+    when they are not an array of entries (the typed decoder then says what is wrong).
+
+    A list holds no more ids than it has bytes, so entries of at most
+    ``MAX_BLOCK_IDS_PER_READINESS`` bytes are within the bound without a look.
+    """
+    counted = _count_entries(entries)
+    return None if counted is None else counted[0]
+
+
+def check_block_ids(entries: bytes | memoryview) -> None:
+    """Raise :class:`TooManyBlockIds` when encoded ``read_reqs`` carry more block ids than
+    :data:`~rd2h_protocol.wire.messages.MAX_BLOCK_IDS_PER_READINESS`."""
+    counted = _count_entries(entries)
+    if counted is not None and counted[0] > MAX_BLOCK_IDS_PER_READINESS:
+        exc = TooManyBlockIds(
+            f"readiness carries {counted[0]} block ids; the limit is "
+            f"{MAX_BLOCK_IDS_PER_READINESS} per readiness: split it"
+        )
+        exc.names = _entry_names(counted[1])
+        raise exc
+
+
 def decode(frame: bytes | bytearray | memoryview) -> Message:
     """Decode one control frame into a typed message.
 
@@ -158,6 +263,13 @@ def decode(frame: bytes | bytearray | memoryview) -> Message:
         decoder = _DECODERS.get(tag)
         if decoder is None:
             raise UnknownMessageKind(f"unknown message tag {tag[:64]!r}")
+        if tag == TAG_READ_READY_BATCH and len(frame) > MAX_BLOCK_IDS_PER_READINESS:
+            try:
+                shell = _READINESS_IDS_DECODER.decode(frame)
+            except Exception:  # the typed decoder says what is wrong
+                shell = None
+            if shell is not None:
+                check_block_ids(shell.read_reqs)
         msg: Message = decoder.decode(frame)
         return msg
     except RemoteProtocolError:

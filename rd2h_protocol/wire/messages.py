@@ -64,6 +64,17 @@ ALL_CAPABILITIES: Final = (
 MAX_FRAME_BYTES: Final = 16 << 20
 MAX_REQUESTS_PER_BATCH: Final = 16384
 MAX_BLOCKS_PER_REQUEST: Final = 1 << 20
+# The block ids one readiness may carry in all (every entry's main and indexer lists, as
+# sent: an absent indexer list counts nothing). Decoded, a block id is a Python int in a
+# tuple, 8 B of slot plus up to 32 B of int (one byte on the wire when below 128), so the
+# frame size alone let a 16 MiB readiness of 14 M one-byte ids decode to ~0.2 GB and plan
+# to ~1.4 GB. At this bound a readiness decodes to at most 2^18 * 40 B = 10.5 MB and
+# plans to at most 2^19 descriptors (two components per id: K and V, or indexer and
+# scale) of 24 B = 12.6 MB, whatever its ids. It keeps every frame an existing v1
+# Prefill sends legal: a step's readiness names the blocks that step computed, and two
+# whole unchunked 1M-token prompts in 16-token blocks with both id lists are 2^18 ids.
+# Refused by the receiver before any id is decoded (codec.decode, FrameTooLarge).
+MAX_BLOCK_IDS_PER_READINESS: Final = 1 << 18
 MAX_NAME_LEN: Final = 4096
 MAX_TEXT_LEN: Final = 65536
 MAX_CAPABILITIES: Final = 64

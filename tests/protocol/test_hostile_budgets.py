@@ -7,22 +7,34 @@ Each test measures memory (tracemalloc, after the flood) or counts, never time.
 from __future__ import annotations
 
 import gc
+import random
 import tracemalloc
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from test_consumer import endpoint, meta, replies, rr, rrb, send
+from test_consumer import dst_layout, endpoint, meta, replies, rr, rrb, send, src_layout
 from test_producer import ACK_V1_FRAME, one_request_ready
 from test_producer import endpoint as producer
 
 from rd2h_protocol.claim import MalformedClaim, decode_claim, decode_claim_answer
 from rd2h_protocol.consumer import ConsumerEndpoint
-from rd2h_protocol.errors import ConfigError
+from rd2h_protocol.consumer.held import _VALIDATED_BYTES, _layouts_cost
+from rd2h_protocol.errors import ConfigError, ErrorCode
 from rd2h_protocol.producer.config import SILENT_FLOOR_S
 from rd2h_protocol.rendezvous import MalformedRendezvous, parse_rendezvous_json
-from rd2h_protocol.wire.codec import encode
-from rd2h_protocol.wire.messages import MAX_REQUESTS_PER_BATCH, Abort, ReadDone
+from rd2h_protocol.wire.codec import TooManyBlockIds, decode, encode
+from rd2h_protocol.wire.layout import encode_layer_metadata
+from rd2h_protocol.wire.messages import (
+    ALL_CAPABILITIES,
+    MAX_BLOCK_IDS_PER_READINESS,
+    MAX_REQUESTS_PER_BATCH,
+    Abort,
+    MfMeta,
+    ReadDone,
+    ReadFailed,
+    ReadReq,
+)
 
 BAD = b"bad"
 UNLIMITED = {"max_parked_bytes": 1 << 40, "max_parked_bytes_per_session": 1 << 40}
@@ -168,6 +180,176 @@ def test_default_budgets_leave_a_peer_well_under_64_mb() -> None:
     cfg = endpoint().config
     assert cfg.max_parked_bytes_per_session <= 16 << 20
     assert cfg.max_parked_bytes_per_session < cfg.max_parked_bytes
+
+
+# -- sessions: churn, kept entries, reply memory -------------------------------------------
+
+
+def churn_frames(n: int, layers: int = 256, ids: int = 64 * 64) -> list[bytes]:
+    """``n`` handshakes from one connection, each a new session with a ``layers``-layer
+    layout, each followed by a readiness of ``ids`` random ids for unknown requests."""
+    layouts = {f"model.layers.{i}.self_attn": src_layout(num_blocks=1 << 24) for i in range(layers)}
+    blob = encode_layer_metadata(layouts)
+    rng = random.Random(24)
+    per = ids // 64
+    frames = []
+    for i in range(n):
+        hs = MfMeta(
+            p_session=f"churn-{i}",
+            encoded_layer_metadata=blob,
+            protocol_version=2,
+            capabilities=list(ALL_CAPABILITIES),
+            first_seq=0,
+        )
+        reqs = [rr(f"c{i}-{j}", rng.sample(range(1000, 1 << 24), per)) for j in range(64)]
+        frames += [encode(hs), encode(rrb(0, reqs, seq=0))]
+    return frames
+
+
+def churned(ep: ConsumerEndpoint, frames: list[bytes]) -> int:
+    """Bytes held after ``frames`` from BAD, once what they parked expired (parking has
+    budgets of its own) and the ids they retired are forgotten."""
+
+    def flood() -> None:
+        for frame in frames:
+            ep.receive(BAD, frame, 0.0)
+        ep.handle_timer(ep.config.park_timeout_s)
+        ep._retired.clear()
+
+    return held_after(flood)
+
+
+def test_what_sessions_hold_is_what_they_are_charged() -> None:
+    # Issue 24: each session kept every layout it was sent (4.3x the encoded size it was
+    # charged), its last entries (64 sessions' worth, no budget) and its reply memory
+    # (not charged). Now all of it is charged, as an upper bound close to what is held.
+    ep = endpoint(max_session_bytes=1 << 40, max_session_bytes_per_peer=1 << 40)
+    held = churned(ep, churn_frames(70))
+    assert len(ep.sessions()) == 70 and len(ep._entry_cache) == 64
+    assert ep._session_bytes == sum(s.held for s in ep._sessions.values())
+    assert held <= ep._session_bytes <= 1.5 * held, (held, ep._session_bytes)
+    # A 256-layer handshake keeps the layouts of this rank's layers only.
+    (session, *_) = ep._sessions.values()
+    assert set(session.layers) <= set(ep._by_name)
+    validated = _VALIDATED_BYTES * len(session.validated)
+    assert session.layout_bytes == _layouts_cost(session.layers) + validated
+
+
+def test_a_churning_peer_holds_at_most_its_budget_and_the_others_keep_theirs() -> None:
+    budget = 1 << 20
+    ep = endpoint(max_session_bytes=4 * budget, max_session_bytes_per_peer=budget)
+    send(ep, meta("good"), peer=b"good")
+    ep.add_request("g1", [5], [5], 0.0)
+    send(ep, rrb(0, [rr("g1", [7])], seq=0), peer=b"good")
+    held = churned(ep, churn_frames(30))
+    assert ep._session_bytes_by_origin[BAD] <= budget
+    assert held <= budget + ep._sessions["good"].held, held
+    assert ep.stats.entries_dropped > 0
+    # the good session and its kept entries stay
+    assert "good" in ep.sessions() and "good" in ep._entry_cache
+    # Beyond max_sessions the churning connection's own sessions go, nobody else's.
+    small = endpoint(max_sessions=8)
+    send(small, meta("good"), peer=b"good")
+    for i in range(20):
+        send(small, meta(f"s{i}"), peer=BAD)
+    assert "good" in small.sessions() and len(small.sessions()) == 8
+    assert small.stats.sessions_forgotten == 13
+
+
+def test_the_reply_memory_is_charged_in_bytes_held() -> None:
+    ep = endpoint()
+    handshake = meta("p")
+    handshake.first_seq = 0
+    send(ep, handshake, peer=BAD)
+    session = ep._sessions["p"]
+    before = session.held
+
+    def resent_failures() -> None:
+        # A seq gap: every lost seq is remembered with a failure reply.
+        ep.receive(BAD, encode(rrb(0, [rr("x", [1])], seq=300)), 0.0)
+
+    held = held_after(resent_failures)
+    assert len(session.remembered) > 200
+    assert session.held - before >= session.remembered_bytes
+    # (an upper bound: the lost seqs' replies share one text, charged to each)
+    assert held <= session.remembered_bytes <= 3 * held, (held, session.remembered_bytes)
+
+
+def test_default_session_budgets_leave_a_peer_well_under_64_mb() -> None:
+    cfg = endpoint().config
+    assert cfg.max_session_bytes_per_peer <= 16 << 20
+    assert cfg.max_session_bytes_per_peer <= cfg.max_session_bytes <= 64 << 20
+
+
+# -- block ids per readiness -----------------------------------------------------------------
+
+
+def huge_entries(ids: int, *, low: int = 1 << 30) -> list[ReadReq]:
+    """Entries carrying ``ids`` block ids in all (main and indexer lists), random ids of
+    at least ``low`` (each its own int object once decoded: the worst case)."""
+    rng = random.Random(18)
+    per = ids // 64
+    return [
+        ReadReq(f"h{j}", rng.sample(range(low, 1 << 31), per), rng.sample(range(low, 1 << 31), per))
+        for j in range(32)
+    ]
+
+
+def test_the_largest_legal_readiness_decodes_within_its_bound() -> None:
+    # 2^18 ids of 5 bytes: a 1.3 MB frame; decoded, at most 40 B per id.
+    frame = encode(rrb(0, huge_entries(MAX_BLOCK_IDS_PER_READINESS), seq=0))
+    ep = endpoint(
+        layers=[(n, dst_layout(num_blocks=1 << 31)) for n in ("model.layers.0.self_attn",)]
+    )
+    send(ep, meta(layouts={"model.layers.0.self_attn": src_layout(num_blocks=1 << 31)}))
+    gc.collect()
+    tracemalloc.start()
+    try:
+        outs = ep.receive(b"peer-0", frame, 0.0)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert outs == [] and len(ep.parked()) == 1  # legal: parked for its requests
+    assert ep.stats.block_id_refusals == 0
+    # (the frame's entries are packed again while parked: a copy of its size)
+    assert peak <= 40 * MAX_BLOCK_IDS_PER_READINESS + 3 * len(frame), peak
+
+
+def test_a_readiness_over_the_block_id_limit_is_refused_before_any_id_is_decoded() -> None:
+    # Issue 24: a legal 15 MB readiness of 14 M one-byte ids decoded to +215 MB.
+    ids = [j % 64 for j in range(1 << 20)]
+    frame = encode(rrb(0, [ReadReq(f"h{j}", ids, ids) for j in range(7)], seq=1))
+    ep = endpoint()
+    send(ep, meta())
+    gc.collect()
+    tracemalloc.start()
+    try:
+        outs = ep.receive(b"peer-0", frame, 0.0)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    (reply,) = replies(outs)
+    assert isinstance(reply, ReadFailed) and reply.code == ErrorCode.TOO_LARGE
+    assert f"the limit is {MAX_BLOCK_IDS_PER_READINESS}" in (reply.error or "")
+    assert ep.stats.block_id_refusals == 1 and ep.stats.malformed_frames == 1
+    assert peak < 1 << 20, peak
+    # The general path (no session) refuses it as cheaply.
+    tracemalloc.start()
+    try:
+        with pytest.raises(TooManyBlockIds):
+            decode(frame)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20, peak
+
+
+def test_the_block_id_limit_counts_every_list_as_sent() -> None:
+    at = [ReadReq("a", list(range(MAX_BLOCK_IDS_PER_READINESS // 2)), [0] * (1 << 17))]
+    assert isinstance(decode(encode(rrb(0, at, seq=0))), type(rrb(0, [], seq=0)))
+    over = [*at, ReadReq("b", [1])]  # (indexer absent on the wire: counts nothing)
+    with pytest.raises(TooManyBlockIds, match=f"carries {MAX_BLOCK_IDS_PER_READINESS + 2}"):
+        decode(encode(rrb(0, over, seq=0)))
 
 
 # -- exported parsers at any depth ---------------------------------------------------------
