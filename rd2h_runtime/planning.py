@@ -175,7 +175,7 @@ class _Scratch(threading.local):
     def __init__(self) -> None:
         self.buffers: dict[str, npt.NDArray[Any]] = {}
         # id key -> (the id sequences, their runs); see build_descriptors
-        self.runs: OrderedDict[tuple[object, ...], tuple[list[Sequence[int]], _Runs]] = (
+        self.runs: OrderedDict[tuple[object, ...], tuple[list[Sequence[int]], _Runs, int]] = (
             OrderedDict()
         )
 
@@ -200,8 +200,13 @@ class _Scratch(threading.local):
 
 
 _SCRATCH_MAX_ITEMS = 1 << 21
-# Id sets whose runs each thread keeps (several Prefill peers may interleave).
+# Id sets whose runs each thread keeps (several Prefill peers may interleave), and the
+# bytes they may hold in all: their arrays, their scaled tables and the Prefill ids they
+# keep alive (an int and its slot each, at most 40 B: see _kept_bytes). A plan at the
+# wire's limit (MAX_BLOCK_IDS_PER_READINESS ids, 2^19 descriptors) keeps about 28 MB, so
+# it is planned and not kept; a 64 x 256 message keeps about 1.4 MB.
 _RUNS_KEPT = 8
+_RUNS_KEPT_BYTES = 24 << 20
 _scratch = _Scratch()
 
 
@@ -610,7 +615,9 @@ def build_descriptors(plan: ReadPlan) -> Descriptors:
         hit = cache.get(key)
         if hit is not None:
             cache.move_to_end(key)
-            return _descriptors(comps_of, hit[1])
+            desc = _descriptors(comps_of, hit[1])  # (it may keep another scaled table)
+            _trim_kept(cache)
+            return desc
     per_group = len(plan.requests)
     counts = [
         _lengths(
@@ -627,8 +634,26 @@ def build_descriptors(plan: ReadPlan) -> Descriptors:
     _pack(dsts, buf[n:])
     all_counts = np.concatenate(counts) if counts else np.zeros(0, dtype=np.int64)
     runs = _id_runs(sizes, buf, all_counts)
+    desc = _descriptors(comps_of, runs)
     if key is not None:
-        cache[key] = (seqs, runs)  # the tuples stay alive while their ids name them
-        while len(cache) > _RUNS_KEPT:
-            cache.popitem(last=False)
-    return _descriptors(comps_of, runs)
+        cache[key] = (seqs, runs, n)  # the tuples stay alive while kept
+        _trim_kept(cache)
+    return desc
+
+
+def _kept_bytes(runs: _Runs, ids: int) -> int:
+    """Bytes one kept id set holds: its run arrays, its scaled tables and ``ids`` Prefill
+    ids kept alive (an int object of at most 32 B and an 8 B slot each: an upper bound)."""
+    held = runs.blocks.nbytes + runs.run_src.nbytes + runs.run_dst.nbytes + 40 * ids
+    return held + sum(table.nbytes for table, _ in runs.scaled.values())
+
+
+def _trim_kept(
+    cache: OrderedDict[tuple[object, ...], tuple[list[Sequence[int]], _Runs, int]],
+) -> None:
+    """Forget the least recently used id sets beyond ``_RUNS_KEPT`` of them or
+    ``_RUNS_KEPT_BYTES`` in all (the newest too, when it alone is over)."""
+    while len(cache) > _RUNS_KEPT:
+        cache.popitem(last=False)
+    while cache and sum(_kept_bytes(r, n) for _, r, n in cache.values()) > _RUNS_KEPT_BYTES:
+        cache.popitem(last=False)

@@ -547,3 +547,31 @@ def test_total_bytes_is_exact_even_past_64_bits(lengths: list[int], copies: int)
     column = np.array(values, dtype=np.uint64)
     d = Descriptors(column, column, column, ())
     assert d.total_bytes == sum(values)
+
+
+def test_kept_runs_are_bounded_in_bytes() -> None:
+    # Issue 24: every thread kept the runs (and the Prefill ids) of its last 8 id sets
+    # whatever their size: 8 plans at the wire's limit kept ~0.2 GB. Now a plan that alone
+    # passes the byte bound is planned and not kept, and the kept sets stay within it.
+    from rd2h_protocol.wire.messages import MAX_BLOCK_IDS_PER_READINESS
+    from rd2h_runtime import planning
+
+    planning._scratch.runs.clear()
+    rng = np.random.default_rng(24)
+
+    def random_plan(n: int) -> ReadPlan:
+        src = tuple(int(x) for x in rng.choice(1 << 30, n, replace=False))
+        dst = tuple(int(x) for x in rng.choice(1 << 30, n, replace=False))
+        req = RequestRead("r", src, dst, (), ())
+        comps = tuple(ComponentAddrs(name, 1 << 40, 1 << 41, 64) for name in ("k", "v"))
+        return ReadPlan(1, "s", "layer", comps, (), (req,))
+
+    big = random_plan(MAX_BLOCK_IDS_PER_READINESS)
+    assert len(build_descriptors(big)) == 2 * MAX_BLOCK_IDS_PER_READINESS
+    assert len(planning._scratch.runs) == 0
+    for _ in range(8):
+        build_descriptors(random_plan(1 << 16))
+    kept = planning._scratch.runs.values()
+    assert 0 < len(kept) < 8
+    assert sum(planning._kept_bytes(r, n) for _, r, n in kept) <= planning._RUNS_KEPT_BYTES
+    planning._scratch.runs.clear()
