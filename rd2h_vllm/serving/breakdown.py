@@ -19,14 +19,15 @@ instrumentation needed. Two of them matter here:
   queue, compute, and front end (arrival -> queued, first token -> answer), the HTTP
   hops (client, router, both front ends), Decode's KV wait and first step;
 * ``decode-first`` (``rd2h proxy``: Decode is asked first and Prefill runs while Decode
-  waits): the HTTP hops, then Decode's KV wait split into Prefill's queue and compute and
-  the rest (the rendezvous, the proxy's dispatch to Prefill, the layers Prefill's compute
-  did not hide, the scheduler noticing), then Decode's first step.
+  waits): the HTTP hops, then Decode's KV wait split into Prefill's front end, queue and
+  compute and the rest (the rendezvous, the proxy's dispatch to Prefill, the layers
+  Prefill's compute did not hide, the scheduler noticing), then Decode's first step.
 
 Means are only meaningful for requests run one at a time (with several in flight the
-intervals overlap); intervals measured on two servers are durations, so their clocks need
-not agree. A stage computed as a difference can come out slightly negative from rounding
-and sampling; it is shown as measured.
+intervals overlap), and one slow request weighs on all of a cell's stages (they are
+means, where TTFT tables show medians); intervals measured on two servers are durations,
+so their clocks need not agree. A stage computed as a difference can come out slightly
+negative from rounding and sampling; it is shown as measured.
 """
 
 from __future__ import annotations
@@ -116,9 +117,10 @@ def stages(
         ]
     return [
         ("HTTP hops, front ends", client_ttft_s - decode.queue_s - decode.first_step_s),
+        ("Prefill: front end", prefill.front_s),
         ("Prefill: queue", prefill.queue_s),
         ("Prefill: compute", prefill.first_step_s),
-        ("Decode: rest of KV wait", decode.queue_s - p_work),
+        ("Decode: rest of KV wait", decode.queue_s - p_work - prefill.front_s),
         ("Decode: first step", decode.first_step_s),
     ]
 
