@@ -22,7 +22,8 @@ RSS_BUDGET_MB = 64.0
 # Decode for seconds and the healthy Prefill's lease expired.
 ADDED_MEDIAN_S = 1.0
 # Probes whose peak RSS still passes the budget in some runs although the protocol endpoint
-# now holds little of it: a refused 15 MB readiness costs it < 1 MB and 0.07 s, 300 churned
+# now holds little of it: the huge probe's 15 MB readiness is over the block-id bound and
+# refused, at < 1 MB and 0.07 s to the endpoint; 300 churned
 # 4,096-layer sessions +1.7 MB (tests/protocol/test_hostile_budgets.py). What remains is
 # held outside the endpoint while the frames arrive (ZMQ's and the control server's
 # buffers, the allocator): +41 to +135 MB (churn) and +59 to +264 MB (huge) over quiet in
