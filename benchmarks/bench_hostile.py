@@ -6,7 +6,9 @@ floods the Decode with one probe of the set:
 
 - ``parked``: readiness frames of 16,384 unknown request ids each (parked by Decode);
 - ``oversized``: frames one byte over the wire's limit (ZMQ_MAXMSGSIZE cuts them off);
-- ``huge``: legal readiness frames of ~15 MB (7 requests of 1 M block ids, twice);
+- ``huge``: readiness frames of ~15 MB (7 requests of 1 M block ids, twice): within the
+  wire's frame size, over its bound on block ids per readiness
+  (``MAX_BLOCK_IDS_PER_READINESS``), so Decode refuses each from its list headers;
 - ``churn``: handshakes of 4,096 layers, each with a new session;
 - ``unknown_layers``: readiness frames for layers Decode does not have.
 
