@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import os
 import random
 import statistics
 import sys
@@ -63,7 +64,7 @@ class NoopBackend(TransferBackend):
 
     def __init__(self, *, role: str, host: str = HOST, **options: Any) -> None:
         super().__init__(role=role, host=host)
-        self._session = f"noop:{next(_sessions)}"
+        self._session = f"noop:{os.getpid()}:{next(_sessions)}"
 
     @property
     def session_id(self) -> str:

@@ -34,10 +34,11 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any
 
 import zmq
 
+from benchmarks.bench_control_plane import NoopBackend
 from rd2h_protocol.consumer import ConsumerConfig
 from rd2h_protocol.producer import DecodeTarget, ProducerConfig
 from rd2h_protocol.wire.codec import encode
@@ -58,39 +59,12 @@ from rd2h_protocol.wire.messages import (
 )
 from rd2h_runtime.decode import DecodeWorker
 from rd2h_runtime.prefill import PrefillWorker
-from rd2h_runtime.transfer import TransferBackend
-from rd2h_runtime.transfer.base import U64Array
 
 HOST = "127.0.0.1"
 LAYER = "model.layers.0.self_attn"
 BLOCKS = 64
 PROBES = ("parked", "oversized", "huge", "churn", "unknown_layers")
 MiB = 1 << 20
-
-
-class NullBackend(TransferBackend):
-    """Moves nothing: the probes are about the control plane."""
-
-    name: ClassVar[str] = "null"
-
-    def __init__(self, *, role: str, host: str = HOST, **options: Any) -> None:
-        super().__init__(role=role, host=host)
-        self._session = f"null:{role}:{os.getpid()}"
-
-    @property
-    def session_id(self) -> str:
-        return self._session
-
-    def _register(self, regions: list[tuple[int, int]]) -> None:
-        return None
-
-    def _read(
-        self, session: str, remote: U64Array, local: U64Array, lengths: U64Array, deadline: float
-    ) -> None:
-        return None
-
-    def _close(self) -> None:
-        return None
 
 
 def source_layout() -> LayerLayout:
@@ -112,7 +86,7 @@ def _child() -> None:
         scale=None,
     )
     config = ConsumerConfig(d_rank=0, d_tp=1, layers=[(LAYER, dest)])
-    decode = DecodeWorker(config, NullBackend(role="decode"), host=HOST)
+    decode = DecodeWorker(config, NoopBackend(role="decode"), host=HOST)
     out = sys.stdout
     out.write(json.dumps({"port": decode.port, "pid": os.getpid()}) + "\n")
     out.flush()
@@ -350,7 +324,7 @@ class Pair:
         config = ProducerConfig(
             p_rank=0, p_tp=1, session="", layers=[(LAYER, source_layout())], lease_ms=lease_ms
         )
-        self.prefill = PrefillWorker(config, NullBackend(role="prefill"))
+        self.prefill = PrefillWorker(config, NoopBackend(role="prefill"))
         self._n = 0
 
     def close(self) -> None:

@@ -287,6 +287,29 @@ def is_ipv6(host: str) -> bool:
 E = TypeVar("E")
 
 
+def wait_for_items(
+    cond: threading.Condition,
+    ready: Callable[[], bool],
+    closed: Callable[[], bool],
+    timeout: float | None,
+) -> bool:
+    """Wait on ``cond`` (held) until ``ready()``: True then; False after ``timeout`` seconds
+    (None: forever). Raises :class:`ControlClosed` once ``closed()`` and not ready: a
+    closed queue is drained before it refuses."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while not ready():
+        if closed():
+            raise ControlClosed("the control socket set is closed")
+        if deadline is None:
+            cond.wait()
+        else:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            cond.wait(left)
+    return True
+
+
 class EventQueue(Generic[E]):
     """A bounded FIFO between the I/O thread (producer) and binding threads (consumers).
 
@@ -320,18 +343,11 @@ class EventQueue(Generic[E]):
 
         Raises :class:`ControlClosed` once the queue is closed and empty.
         """
-        deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            while not self._items:
-                if self._closed:
-                    raise ControlClosed("the control socket set is closed")
-                if deadline is None:
-                    self._cond.wait()
-                else:
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        return None
-                    self._cond.wait(left)
+            if not wait_for_items(
+                self._cond, lambda: bool(self._items), lambda: self._closed, timeout
+            ):
+                return None
             was_full = len(self._items) >= self._capacity
             item = self._items.popleft()
         if was_full:

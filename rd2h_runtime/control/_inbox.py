@@ -24,13 +24,12 @@ from __future__ import annotations
 
 import collections
 import threading
-import time
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Generic, Literal, TypeVar
 
 from rd2h_runtime.control._common import _FRAME_OVERHEAD as FRAME_OVERHEAD
-from rd2h_runtime.control._common import ControlClosed
+from rd2h_runtime.control._common import wait_for_items
 
 E = TypeVar("E")
 
@@ -153,20 +152,13 @@ class FairInbox(Generic[E]):
 
         ``key`` is None for events of no peer. The caller reports the end of a keyed
         event's handling with :meth:`done`, which releases its bytes. Raises
-        :class:`ControlClosed` once closed and empty.
+        :class:`~rd2h_runtime.control.ControlClosed` once closed and empty.
         """
-        deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            while not self._count:
-                if self._closed:
-                    raise ControlClosed("the control socket set is closed")
-                if deadline is None:
-                    self._cond.wait()
-                else:
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        return None
-                    self._cond.wait(left)
+            if not wait_for_items(
+                self._cond, lambda: self._count > 0, lambda: self._closed, timeout
+            ):
+                return None
             self._count -= 1
             if self._control:
                 return None, self._control.popleft(), 0
