@@ -28,7 +28,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from rd2h_runtime.tools.timeline import Timeline, build_timeline, load_streams
+from rd2h_runtime.tools.timeline import Timeline, build_timeline, load_or_say
 from rd2h_runtime.trace import MARKS_ROLE
 
 __all__ = ["FLOW_STAGES", "RequestMoments", "StageRow", "main", "moments", "stage_rows"]
@@ -187,10 +187,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     p.add_argument("files", nargs="+", help="trace files or directories of them")
     args = p.parse_args(list(sys.argv[1:] if argv is None else argv))
-    try:
-        streams = load_streams(args.files)
-    except (OSError, ValueError) as exc:
-        print(f"rd2h trace requests: {exc}", file=sys.stderr)
+    streams = load_or_say("rd2h trace requests", args.files)
+    if streams is None:
         return 1
     rows = stage_rows(moments(build_timeline(streams)))
     if not rows:

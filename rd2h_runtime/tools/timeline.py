@@ -41,7 +41,7 @@ from rd2h_protocol.wire.codec import decode
 from rd2h_protocol.wire.messages import ReadReadyBatch
 from rd2h_runtime.trace import frame_summary
 
-__all__ = ["Stream", "Timeline", "build_timeline", "load_streams", "main"]
+__all__ = ["Stream", "Timeline", "build_timeline", "load_or_say", "load_streams", "main"]
 
 TRACK_CONTROL = 1
 TRACK_GATE = 2
@@ -130,6 +130,20 @@ def load_streams(paths: Iterable[str]) -> list[Stream]:
                 parts=[item[0] for item in items],
             )
         )
+    return streams
+
+
+def load_or_say(prog: str, paths: Iterable[str]) -> list[Stream] | None:
+    """:func:`load_streams` for command ``prog``: None, said on stderr, when the traces
+    cannot be read or there are none."""
+    try:
+        streams = load_streams(paths)
+    except (OSError, ValueError) as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return None
+    if not streams:
+        print(f"{prog}: no trace files found", file=sys.stderr)
+        return None
     return streams
 
 
@@ -625,13 +639,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return requests_main(args_in[1:])
     args = build_parser().parse_args(args_in)
-    try:
-        streams = load_streams(args.files)
-    except (OSError, ValueError) as exc:
-        print(f"rd2h trace: {exc}", file=sys.stderr)
-        return 1
-    if not streams:
-        print("rd2h trace: no trace files found", file=sys.stderr)
+    streams = load_or_say("rd2h trace", args.files)
+    if streams is None:
         return 1
     tl = build_timeline(streams)
     with open(args.output, "w", encoding="utf-8") as f:

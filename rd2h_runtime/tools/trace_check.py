@@ -30,7 +30,7 @@ from rd2h_protocol.consumer import ConsumerConfig, ConsumerEndpoint
 from rd2h_protocol.errors import ErrorCode, TransferError
 from rd2h_protocol.events import Chunk
 from rd2h_protocol.producer import DecodeTarget, ProducerConfig, ProducerEndpoint
-from rd2h_runtime.tools.timeline import Stream, load_streams
+from rd2h_runtime.tools.timeline import Stream, load_or_say
 from rd2h_runtime.trace import MARKS_ROLE, summarize_output
 
 __all__ = ["ReplayResult", "main", "replay"]
@@ -214,13 +214,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     p.add_argument("files", nargs="+", help="trace files or directories of them")
     args = p.parse_args(list(sys.argv[1:] if argv is None else argv))
-    try:
-        streams = load_streams(args.files)
-    except (OSError, ValueError) as exc:
-        print(f"rd2h trace check: {exc}", file=sys.stderr)
-        return 1
-    if not streams:
-        print("rd2h trace check: no trace files found", file=sys.stderr)
+    streams = load_or_say("rd2h trace check", args.files)
+    if streams is None:
         return 1
     streams = [s for s in streams if s.role != MARKS_ROLE]  # marks: nothing to replay
     bad = 0
