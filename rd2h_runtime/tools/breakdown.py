@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import importlib
 import statistics
 import sys
 from collections.abc import Sequence
@@ -31,7 +32,15 @@ from dataclasses import dataclass
 from rd2h_runtime.tools.timeline import Timeline, build_timeline, load_or_say
 from rd2h_runtime.trace import MARKS_ROLE
 
-__all__ = ["FLOW_STAGES", "RequestMoments", "StageRow", "main", "moments", "stage_rows"]
+__all__ = [
+    "FLOW_STAGES",
+    "RequestMoments",
+    "StageRow",
+    "main",
+    "moments",
+    "stage_rows",
+    "write_png",
+]
 
 #: Per flow: (stage, from moment, to moment), in the order a request meets them.
 FLOW_STAGES: dict[str, list[tuple[str, str, str]]] = {
@@ -178,6 +187,46 @@ def render(rows: Sequence[StageRow]) -> str:
     return "\n".join(lines).strip("\n")
 
 
+def write_png(requests: Sequence[RequestMoments], path: str) -> bool:
+    """A PNG of one request per flow (the one with the median total), its stages laid end
+    to end on a time axis (those the traces hold); False when matplotlib is not installed."""
+    try:
+        matplotlib = importlib.import_module("matplotlib")
+        matplotlib.use("Agg")
+        plt = importlib.import_module("matplotlib.pyplot")
+    except ImportError:
+        return False
+    shown: list[tuple[str, RequestMoments]] = []
+    for flow, (start, end) in _TOTAL.items():
+        whole = [r for r in requests if r.flow == flow and start in r.at and end in r.at]
+        if whole:
+            whole.sort(key=lambda r: r.at[end] - r.at[start])
+            shown.append((flow, whole[len(whole) // 2]))
+    fig, axes = plt.subplots(
+        max(1, len(shown)), 1, figsize=(12, 2.4 * len(shown) or 2.4), squeeze=False
+    )
+    if not shown:
+        axes[0, 0].set_title("no request with the first and last moment of its flow's stages")
+    colors = plt.get_cmap("tab10").colors
+    for (flow, r), ax in zip(shown, axes[:, 0], strict=True):
+        origin = r.at[_TOTAL[flow][0]]
+        for n, (stage, a, b) in enumerate(FLOW_STAGES[flow]):
+            if a not in r.at or b not in r.at:
+                continue  # not in these traces (e.g. no scheduler marks of that server)
+            left, width = (r.at[a] - origin) * 1e3, (r.at[b] - r.at[a]) * 1e3
+            ax.barh(0, width, left=left, color=colors[n % len(colors)], height=0.6,
+                    label=f"{stage}: {width:.1f} ms")  # fmt: skip
+        total = (r.at[_TOTAL[flow][1]] - origin) * 1e3
+        ax.set_title(f"{flow}: request {r.ext_id[-32:]}, {total:.1f} ms", fontsize=9)
+        ax.set_yticks([])
+        ax.set_xlabel("ms")
+        ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=7, frameon=False)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return True
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="rd2h trace requests",
@@ -186,15 +235,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         "traces of both roles and the connector's scheduler marks; medians over requests.",
     )
     p.add_argument("files", nargs="+", help="trace files or directories of them")
+    p.add_argument("--png", help="also draw one request per flow into this PNG (matplotlib)")
     args = p.parse_args(list(sys.argv[1:] if argv is None else argv))
     streams = load_or_say("rd2h trace requests", args.files)
     if streams is None:
         return 1
-    rows = stage_rows(moments(build_timeline(streams)))
+    requests = moments(build_timeline(streams))
+    rows = stage_rows(requests)
     if not rows:
         print("rd2h trace requests: no request found in the traces", file=sys.stderr)
         return 1
     print(render(rows))
+    if args.png:
+        if write_png(requests, args.png):
+            print(f"png: {args.png}")
+        else:
+            print("png: skipped (matplotlib is not installed)")
     return 0
 
 

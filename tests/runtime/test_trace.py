@@ -335,8 +335,10 @@ def test_trace_requests_joins_scheduler_marks_with_the_transfers(
         marks.mark("loaded", at["d_done"] + 0.001, req=f"cmpl-{ext}", ext=ext)
         marks.mark("scheduled", at["d_done"] + 0.003, req=f"cmpl-{ext}", ext=ext)
     marks.close()
-    assert breakdown.main([str(trace_dir)]) == 0
+    png = tmp_path / "request.png"
+    assert breakdown.main([str(trace_dir), "--png", str(png)]) == 0
     out = capsys.readouterr().out
+    assert f"png: {png}" in out and png.stat().st_size > 10_000, out
     rows = {r.stage: r for r in breakdown.stage_rows(requests_in(trace_dir))}
     assert "decode-first:" in out and "prefill-first:" not in out, out
     assert rows["request done -> scheduler noticed"].count == 4
