@@ -23,13 +23,20 @@ from __future__ import annotations
 
 import argparse
 import collections
-import importlib
 import statistics
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from rd2h_runtime.tools.timeline import Timeline, build_timeline, load_or_say
+from rd2h_runtime.tools.timeline import (
+    Timeline,
+    build_timeline,
+    load_or_say,
+    percentile,
+    pyplot,
+    save_png,
+    say_png,
+)
 from rd2h_runtime.trace import MARKS_ROLE
 
 __all__ = [
@@ -148,11 +155,6 @@ def moments(tl: Timeline) -> list[RequestMoments]:
     return [RequestMoments(ext, at) for ext, at in found.items()]
 
 
-def _pct(values: Sequence[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
-
-
 def stage_rows(requests: Sequence[RequestMoments]) -> list[StageRow]:
     """Per flow with requests, each stage's count, median and p90, then the total."""
     rows: list[StageRow] = []
@@ -165,7 +167,9 @@ def stage_rows(requests: Sequence[RequestMoments]) -> list[StageRow]:
             spans = [(r.at[b] - r.at[a]) * 1e3 for r in mine if a in r.at and b in r.at]
             if spans:
                 rows.append(
-                    StageRow(flow, stage, len(spans), statistics.median(spans), _pct(spans, 0.9))
+                    StageRow(
+                        flow, stage, len(spans), statistics.median(spans), percentile(spans, 0.9)
+                    )
                 )
     return rows
 
@@ -190,11 +194,8 @@ def render(rows: Sequence[StageRow]) -> str:
 def write_png(requests: Sequence[RequestMoments], path: str) -> bool:
     """A PNG of one request per flow (the one with the median total), its stages laid end
     to end on a time axis (those the traces hold); False when matplotlib is not installed."""
-    try:
-        matplotlib = importlib.import_module("matplotlib")
-        matplotlib.use("Agg")
-        plt = importlib.import_module("matplotlib.pyplot")
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return False
     shown: list[tuple[str, RequestMoments]] = []
     for flow, (start, end) in _TOTAL.items():
@@ -221,9 +222,7 @@ def write_png(requests: Sequence[RequestMoments], path: str) -> bool:
         ax.set_yticks([])
         ax.set_xlabel("ms")
         ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=7, frameon=False)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    save_png(plt, fig, path)
     return True
 
 
@@ -247,10 +246,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     print(render(rows))
     if args.png:
-        if write_png(requests, args.png):
-            print(f"png: {args.png}")
-        else:
-            print("png: skipped (matplotlib is not installed)")
+        say_png(write_png(requests, args.png), args.png)
     return 0
 
 

@@ -41,7 +41,18 @@ from rd2h_protocol.wire.codec import decode
 from rd2h_protocol.wire.messages import ReadReadyBatch
 from rd2h_runtime.trace import frame_summary
 
-__all__ = ["Stream", "Timeline", "build_timeline", "load_or_say", "load_streams", "main"]
+__all__ = [
+    "Stream",
+    "Timeline",
+    "build_timeline",
+    "load_or_say",
+    "load_streams",
+    "main",
+    "percentile",
+    "pyplot",
+    "save_png",
+    "say_png",
+]
 
 TRACK_CONTROL = 1
 TRACK_GATE = 2
@@ -350,7 +361,8 @@ class Timeline:
     offsets: dict[tuple[str, str], float] = field(default_factory=dict)
 
 
-def _pct(data: list[float], q: float) -> float:
+def percentile(data: Sequence[float], q: float) -> float:
+    """The ``q`` quantile of ``data`` (nearest rank); NaN when empty."""
     data = sorted(data)
     if not data:
         return float("nan")
@@ -549,9 +561,10 @@ def summary(tl: Timeline, wait_ms: float = 10.0, top: int = 5) -> str:
             if t.gate_open is not None and t.reply is not None
         ]
         lines.append(
-            f"{layer:>5} {len(trs):>6}  {_pct(wait, 0.5):>11.3f} {_pct(wait, 0.99):>11.3f}  "
-            f"{_pct(read, 0.5):>7.3f} {_pct(read, 0.99):>7.3f}  "
-            f"{_pct(gate, 0.5):>9.3f} {_pct(gate, 0.99):>9.3f}"
+            f"{layer:>5} {len(trs):>6}  "
+            f"{percentile(wait, 0.5):>11.3f} {percentile(wait, 0.99):>11.3f}  "
+            f"{percentile(read, 0.5):>7.3f} {percentile(read, 0.99):>7.3f}  "
+            f"{percentile(gate, 0.5):>9.3f} {percentile(gate, 0.99):>9.3f}"
         )
     spans: dict[str, list[float]] = {}
     for tr in tl.transfers:
@@ -577,13 +590,33 @@ def summary(tl: Timeline, wait_ms: float = 10.0, top: int = 5) -> str:
     return "\n".join(lines)
 
 
-def write_png(tl: Timeline, path: str) -> bool:
-    """A PNG of the timeline when matplotlib is installed; False when it is not."""
+def pyplot() -> Any | None:
+    """``matplotlib.pyplot`` on its file-only backend; None when matplotlib is not installed
+    (``pip install 'rd2h[timeline]'``)."""
     try:
         matplotlib = importlib.import_module("matplotlib")
         matplotlib.use("Agg")
-        plt = importlib.import_module("matplotlib.pyplot")
+        return importlib.import_module("matplotlib.pyplot")
     except ImportError:
+        return None
+
+
+def save_png(plt: Any, fig: Any, path: str) -> None:
+    """Lay out ``fig``, write it to ``path`` and free it."""
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def say_png(written: bool, path: str) -> None:
+    """Tell where the PNG went, or that it was skipped."""
+    print(f"png: {path}" if written else "png: skipped (matplotlib is not installed)")
+
+
+def write_png(tl: Timeline, path: str) -> bool:
+    """A PNG of the timeline when matplotlib is installed; False when it is not."""
+    plt = pyplot()
+    if plt is None:
         return False
     fig, ax = plt.subplots(figsize=(14, 1 + 0.6 * len(tl.streams)))
     for ev in tl.events:
@@ -607,9 +640,7 @@ def write_png(tl: Timeline, path: str) -> bool:
         ncol=3,
         frameon=False,
     )
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    save_png(plt, fig, path)
     return True
 
 
@@ -651,10 +682,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "open it in https://ui.perfetto.dev or chrome://tracing"
     )
     if args.png:
-        if write_png(tl, args.png):
-            print(f"png: {args.png}")
-        else:
-            print("png: skipped (matplotlib is not installed)")
+        say_png(write_png(tl, args.png), args.png)
     return 0
 
 
