@@ -45,10 +45,10 @@ standard router, Decode recomputes the prompt and the rd2h-pf rows show it.
 Also per cell, from what the servers expose on ``/metrics``: Prefill's mean prefill time
 per request (``vllm:request_prefill_time_seconds``: first scheduled to first token, the
 step time of a lone prompt) and queue time, and Decode's KV read rate while reading
-(rd2h: ``vllm:rd2h_read_*``, where each plan of a batched read counts the batch's whole
-time, so it is a lower bound when reads batch; NixlConnector: ``vllm:nixl_*``, one
-transfer per request). Per block, the first request of the fresh pair (the first warm-up
-prompt, of the shortest length) against that block's warm TTFT p50 of the same length.
+(rd2h: ``vllm:rd2h_read_*``, where each plan of a batched read counts its byte share of
+the batch's time; NixlConnector: ``vllm:nixl_*``, one transfer per request). Per block,
+the first request of the fresh pair (the first warm-up prompt, of the shortest length)
+against that block's warm TTFT p50 of the same length.
 
 Goal: rd2h (both flows) TTFT p50 <= 1.0x NixlConnector's, per length and concurrency.
 

@@ -335,9 +335,8 @@ def server_side(rows: Sequence[Row], two: bool) -> list[str]:
     lines = [
         "servers' /metrics, mean per request: Prefill's prefill time (first scheduled -> "
         "first token: its step time for a lone prompt) and queue time; the KV Decode read "
-        "and its rate while reading (rd2h: a batched read's plans each count the batch's "
-        "time, so a lower bound; nixl: one transfer per request; at c > 1 transfers overlap "
-        "and share the link)"
+        "and its rate while reading (rd2h: a batched read's plans share its time by bytes; "
+        "nixl: one transfer per request; at c > 1 transfers overlap and share the link)"
         + (
             "; the link's rate while busy (bytes Decode's veth end received / the time it "
             "was receiving, sampled every 5 ms)"
