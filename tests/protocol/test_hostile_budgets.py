@@ -59,6 +59,18 @@ def held_after(action: Callable[[], Any]) -> int:
     return held
 
 
+def peak_during(action: Callable[[], Any]) -> tuple[Any, int]:
+    """``action()``'s result and the most bytes the process held (traced) while it ran."""
+    gc.collect()
+    tracemalloc.start()
+    try:
+        result = action()
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    return result, peak
+
+
 @pytest.fixture(scope="module")
 def flooded() -> Iterator[tuple[ConsumerEndpoint, int, int, int]]:
     """An endpoint after 2 frames of 8,192 unknown ids from one peer, with no budget, and
@@ -302,13 +314,7 @@ def test_the_largest_legal_readiness_decodes_within_its_bound() -> None:
         layers=[(n, dst_layout(num_blocks=1 << 31)) for n in ("model.layers.0.self_attn",)]
     )
     send(ep, meta(layouts={"model.layers.0.self_attn": src_layout(num_blocks=1 << 31)}))
-    gc.collect()
-    tracemalloc.start()
-    try:
-        outs = ep.receive(b"peer-0", frame, 0.0)
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
+    outs, peak = peak_during(lambda: ep.receive(b"peer-0", frame, 0.0))
     assert outs == [] and len(ep.parked()) == 1  # legal: parked for its requests
     assert ep.stats.block_id_refusals == 0
     # (the frame's entries are packed again while parked: a copy of its size)
@@ -321,26 +327,19 @@ def test_a_readiness_over_the_block_id_limit_is_refused_before_any_id_is_decoded
     frame = encode(rrb(0, [ReadReq(f"h{j}", ids, ids) for j in range(7)], seq=1))
     ep = endpoint()
     send(ep, meta())
-    gc.collect()
-    tracemalloc.start()
-    try:
-        outs = ep.receive(b"peer-0", frame, 0.0)
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
+    outs, peak = peak_during(lambda: ep.receive(b"peer-0", frame, 0.0))
     (reply,) = replies(outs)
     assert isinstance(reply, ReadFailed) and reply.code == ErrorCode.TOO_LARGE
     assert f"the limit is {MAX_BLOCK_IDS_PER_READINESS}" in (reply.error or "")
     assert ep.stats.block_id_refusals == 1 and ep.stats.malformed_frames == 1
     assert peak < 1 << 20, peak
+
     # The general path (no session) refuses it as cheaply.
-    tracemalloc.start()
-    try:
+    def refused() -> None:
         with pytest.raises(TooManyBlockIds):
             decode(frame)
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
+
+    _, peak = peak_during(refused)
     assert peak < 1 << 20, peak
 
 
