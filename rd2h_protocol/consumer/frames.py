@@ -16,6 +16,7 @@ from typing import Annotated, Any, Final
 
 import msgspec
 
+from rd2h_protocol.wire.codec import NAME_DECODER
 from rd2h_protocol.wire.messages import (
     MAX_BLOCKS_PER_REQUEST,
     MAX_FRAME_BYTES,
@@ -171,11 +172,6 @@ _RAW_LIST_DECODER: Final = msgspec.msgpack.Decoder(
 _ENTRY_DECODER: Final = msgspec.msgpack.Decoder(_NamedEntry)
 
 
-_NAME_DECODER: Final = msgspec.msgpack.Decoder(
-    Annotated[str, msgspec.Meta(max_length=MAX_NAME_LEN)]
-)
-
-
 def _raw_int(raw: msgspec.Raw, high: int) -> int | None:
     try:
         value = msgspec.msgpack.decode(raw, type=int)
@@ -228,7 +224,7 @@ def _identify_readiness(
         if seq is None:  # a seq we cannot echo cannot be correlated
             return None
     ids = _raw_names(fields.read_reqs, lambda item: _ENTRY_DECODER.decode(item).ext_req_id)
-    ids += _raw_names(fields.done_ext_ids, _NAME_DECODER.decode)
+    ids += _raw_names(fields.done_ext_ids, NAME_DECODER.decode)
     return layer_idx, seq, _unique(ids)
 
 

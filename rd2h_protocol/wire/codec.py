@@ -195,14 +195,15 @@ def _array_len(raw: bytes | memoryview) -> int:
     return 0
 
 
-_NAME_DECODER: Final = msgspec.msgpack.Decoder(Annotated[str, Meta(max_length=MAX_NAME_LEN)])
+#: Decodes one name (a request id, a layer name) within its bound, alone.
+NAME_DECODER: Final = msgspec.msgpack.Decoder(Annotated[str, Meta(max_length=MAX_NAME_LEN)])
 
 
 def _entry_names(items: list[_EntryIds]) -> list[str]:
     names = []
     for item in items:
         try:
-            names.append(_NAME_DECODER.decode(item.ext_req_id))
+            names.append(NAME_DECODER.decode(item.ext_req_id))
         except Exception:
             continue
     return names
@@ -222,21 +223,15 @@ def _count_entries(entries: bytes | memoryview) -> tuple[int, list[_EntryIds]] |
     return total, items
 
 
-def block_ids_in_entries(entries: bytes | memoryview) -> int | None:
-    """How many block ids the encoded ``read_reqs`` of a readiness carry in all (the sum
-    of every id list's length, read from the lists' headers: no id is decoded), or None
-    when they are not an array of entries (the typed decoder then says what is wrong).
-
-    A list holds no more ids than it has bytes, so entries of at most
-    ``MAX_BLOCK_IDS_PER_READINESS`` bytes are within the bound without a look.
-    """
-    counted = _count_entries(entries)
-    return None if counted is None else counted[0]
-
-
 def check_block_ids(entries: bytes | memoryview) -> None:
     """Raise :class:`TooManyBlockIds` when encoded ``read_reqs`` carry more block ids than
-    :data:`~rd2h_protocol.wire.messages.MAX_BLOCK_IDS_PER_READINESS`."""
+    :data:`~rd2h_protocol.wire.messages.MAX_BLOCK_IDS_PER_READINESS`.
+
+    The count is the sum of every id list's length, read from the lists' headers: no id is
+    decoded. A list holds no more ids than it has bytes, so entries of at most that many
+    bytes are within the bound without a look; entries that are not an array of entries
+    pass (the typed decoder then says what is wrong).
+    """
     counted = _count_entries(entries)
     if counted is not None and counted[0] > MAX_BLOCK_IDS_PER_READINESS:
         exc = TooManyBlockIds(
