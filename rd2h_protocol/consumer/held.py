@@ -86,18 +86,23 @@ def _reply_cost(reply: ReadDone | ReadFailed | None) -> int:
     return held
 
 
-def _entries_cost(raw: bytes, entries: list[ReadReq]) -> int:
-    """Bytes a session's kept entries hold: their bytes, the decoded entries (each id an
-    int above 256 at the worst: an upper bound, ids below that are shared objects) and
-    an allowance for the share worked out for each."""
-    held = sys.getsizeof(raw) + sys.getsizeof(entries)
-    for rr in entries:
-        held += sys.getsizeof(rr) + sys.getsizeof(rr.ext_req_id) + _SHARE_BYTES
-        main, indexer = rr.main_block_ids, rr.indexer_block_ids
-        held += sys.getsizeof(main) + _INT_BYTES * len(main)
-        if indexer is not None and indexer is not main:
-            held += sys.getsizeof(indexer) + _INT_BYTES * len(indexer)
+def _entry_bytes(rr: ReadReq) -> int:
+    """Bytes one decoded entry holds: the record, its request id and its id lists (each id
+    an int above 256 at the worst: an upper bound, ids below that are shared objects; a
+    list both fields share counted once)."""
+    held = sys.getsizeof(rr) + sys.getsizeof(rr.ext_req_id)
+    main, indexer = rr.main_block_ids, rr.indexer_block_ids
+    held += sys.getsizeof(main) + _INT_BYTES * len(main)
+    if indexer is not None and indexer is not main:
+        held += sys.getsizeof(indexer) + _INT_BYTES * len(indexer)
     return held
+
+
+def _entries_cost(raw: bytes, entries: list[ReadReq]) -> int:
+    """Bytes a session's kept entries hold: their bytes, the decoded entries and an
+    allowance for the share worked out for each."""
+    held = sys.getsizeof(raw) + sys.getsizeof(entries)
+    return held + sum(_entry_bytes(rr) + _SHARE_BYTES for rr in entries)
 
 
 class _SessionBudgets(_EndpointState):
