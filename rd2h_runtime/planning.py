@@ -655,5 +655,7 @@ def _trim_kept(
     ``_RUNS_KEPT_BYTES`` in all (the newest too, when it alone is over)."""
     while len(cache) > _RUNS_KEPT:
         cache.popitem(last=False)
-    while cache and sum(_kept_bytes(r, n) for _, r, n in cache.values()) > _RUNS_KEPT_BYTES:
-        cache.popitem(last=False)
+    held = sum(_kept_bytes(r, n) for _, r, n in cache.values())
+    while cache and held > _RUNS_KEPT_BYTES:
+        _, (_, runs, ids) = cache.popitem(last=False)
+        held -= _kept_bytes(runs, ids)
