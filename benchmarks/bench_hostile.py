@@ -1,7 +1,7 @@
 """A hostile Prefill peer against a real Decode process: memory and a healthy peer's rounds.
 
 A Decode worker runs in a child process (so its RSS is its own) on 127.0.0.1 at a run-time
-port. This process runs a healthy Prefill worker and, on a thread, one hostile DEALER that
+port. This process runs a healthy Prefill worker, and a third process one hostile DEALER that
 floods the Decode with one probe of the set:
 
 - ``parked``: readiness frames of 16,384 unknown request ids each (parked by Decode);
@@ -120,12 +120,33 @@ def _child() -> None:
         decode.close()
 
 
+# With --pin: the Decode child gets CPU 0 to itself; this process and the flooder share the
+# others (a hostile peer on another host does not take the Decode's CPU).
+_DECODE_CPUS: set[int] | None = None
+
+
+def _pinned(argv: list[str], cpus: set[int] | None) -> list[str]:
+    if cpus is None:
+        return argv
+    return ["taskset", "-c", ",".join(map(str, sorted(cpus))), *argv]
+
+
+def pin(decode_cpus: set[int]) -> None:
+    """Run the Decode child on ``decode_cpus`` and this process on the others."""
+    global _DECODE_CPUS
+    _DECODE_CPUS = decode_cpus
+    os.sched_setaffinity(0, set(range(os.cpu_count() or 1)) - decode_cpus)
+
+
 class DecodeChild:
     """The Decode child process and its command pipe."""
 
     def __init__(self) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "benchmarks.bench_hostile", "--decode-child"],
+            _pinned(
+                [sys.executable, "-m", "benchmarks.bench_hostile", "--decode-child"],
+                _DECODE_CPUS,
+            ),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -243,51 +264,80 @@ def probe_frames(probe: str) -> Callable[[int], list[bytes]]:
 
 
 class Flooder:
-    """One hostile DEALER that sends ``probe``'s frames as fast as ZMQ takes them."""
+    """One hostile DEALER, in a process of its own (a hostile peer is another host: on a
+    thread here it would take this process's GIL from the healthy Prefill), sending
+    ``probe``'s frames as fast as ZMQ takes them until the context exits."""
 
-    def __init__(self, port: int, probe: str, identity: bytes = b"hostile") -> None:
-        self._frames = probe_frames(probe)
-        self._port = port
-        self._identity = identity
-        self._stop = threading.Event()
+    def __init__(self, port: int, probe: str) -> None:
+        self._args = [
+            sys.executable,
+            "-m",
+            "benchmarks.bench_hostile",
+            "--flood-child",
+            probe,
+            str(port),
+        ]
+        self._proc: subprocess.Popen[str] | None = None
         self.sent = 0
         self.sent_bytes = 0
-        self._thread = threading.Thread(target=self._run, name=f"flood-{probe}", daemon=True)
 
     def __enter__(self) -> Flooder:
-        self._thread.start()
+        self._proc = subprocess.Popen(
+            self._args,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        )
+        assert self._proc.stdout is not None
+        if self._proc.stdout.readline().strip() != "flooding":
+            raise RuntimeError(f"the flooder exited ({self._proc.wait(5)})")
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(30)
-
-    def _run(self) -> None:
-        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        sock = ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.IDENTITY, self._identity)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.RECONNECT_IVL, 10)
-        sock.connect(f"tcp://{HOST}:{self._port}")
+        assert self._proc is not None and self._proc.stdin is not None
         try:
-            i = 0
-            while not self._stop.is_set():
-                for frame in self._frames(i):
-                    while not self._stop.is_set():
-                        try:
-                            sock.send(frame, zmq.NOBLOCK, copy=False)
-                            break
-                        except zmq.Again:
-                            time.sleep(0.001)
-                    self.sent += 1
-                    self.sent_bytes += len(frame)
-                with contextlib.suppress(zmq.Again):  # replies: read and forget
-                    while True:
-                        sock.recv(zmq.NOBLOCK)
-                i += 1
-        finally:
-            sock.close(0)
-            ctx.term()
+            out, _ = self._proc.communicate("stop\n", timeout=30)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            out, _ = self._proc.communicate(timeout=5)
+        if out.strip():
+            counts = json.loads(out.strip().splitlines()[-1])
+            self.sent, self.sent_bytes = counts["sent"], counts["sent_bytes"]
+
+
+def _flood_child(probe: str, port: int) -> None:
+    """The flooder's process: send until a line arrives on stdin, then print the counts."""
+    frames = probe_frames(probe)
+    stop = threading.Event()
+    threading.Thread(target=lambda: (sys.stdin.readline(), stop.set()), daemon=True).start()
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, b"hostile")
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RECONNECT_IVL, 10)
+    sock.connect(f"tcp://{HOST}:{port}")
+    print("flooding", flush=True)
+    sent = sent_bytes = i = 0
+    try:
+        while not stop.is_set():
+            for frame in frames(i):
+                while not stop.is_set():
+                    try:
+                        sock.send(frame, zmq.NOBLOCK, copy=False)
+                        break
+                    except zmq.Again:
+                        time.sleep(0.001)
+                sent += 1
+                sent_bytes += len(frame)
+            with contextlib.suppress(zmq.Again):  # replies: read and forget
+                while True:
+                    sock.recv(zmq.NOBLOCK)
+            i += 1
+    finally:
+        sock.close(0)
+        ctx.term()
+    print(json.dumps({"sent": sent, "sent_bytes": sent_bytes}), flush=True)
 
 
 # -- one measurement ------------------------------------------------------------------------------
@@ -378,13 +428,15 @@ def sampling(pid_rss: Callable[[], int], every_s: float = 0.005) -> Iterator[lis
 
 
 def settle(pair: Pair, timeout: float = 20.0) -> None:
-    """Wait until the Decode child's RSS stops moving (a flood's backlog is worked off)."""
+    """Wait until the Decode child has worked off a flood's backlog (up to its peers'
+    ``peer_backlog_s`` of handler time): its RSS stops moving and a healthy round is fast
+    again, so the next probe's quiet rounds are quiet."""
     deadline = time.monotonic() + timeout
     last = pair.child.rss()
     while time.monotonic() < deadline:
         time.sleep(0.2)
         now = pair.child.rss()
-        if abs(now - last) < MiB:
+        if abs(now - last) < MiB and pair.round()[0] < 0.010:
             return
         last = now
 
@@ -409,7 +461,7 @@ def measure(
                 failures.append(failed)
             if time.monotonic() - start > 4 * seconds + 30:
                 break
-        sent, sent_bytes = flooder.sent, flooder.sent_bytes
+    sent, sent_bytes = flooder.sent, flooder.sent_bytes  # counted when the flooder stopped
     after = pair.child.call("stats")
     settle(pair)
     return ProbeResult(
@@ -442,11 +494,22 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=20, help="healthy rounds per flood")
     parser.add_argument("--lease-ms", type=int, default=2_000, help="healthy Prefill's lease")
     parser.add_argument("--probe", action="append", choices=PROBES, help="repeatable")
+    parser.add_argument(
+        "--pin",
+        action="store_true",
+        help="the Decode child on CPU 0 alone; this process and the flooder on the others",
+    )
     parser.add_argument("--decode-child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--flood-child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.decode_child:
         _child()
         return
+    if args.flood_child:
+        _flood_child(args.flood_child[0], int(args.flood_child[1]))
+        return
+    if args.pin:
+        pin({0})
     pair = Pair(lease_ms=args.lease_ms)
     try:
         for _ in range(5):  # warm up: the session, the first reads

@@ -81,7 +81,7 @@ class ClaimDoor:
         if not isinstance(event, PeerFrame):
             return
         try:
-            claim = decode_claim(event.payload)
+            claim = decode_claim(bytes(event.payload))  # claims are small: bytes already
         except MalformedClaim as exc:
             self.malformed += 1
             answer = ClaimAnswer(

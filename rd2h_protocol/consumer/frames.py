@@ -11,6 +11,8 @@ it gets a failure reply. :func:`_message_ids` is what a decoded readiness names.
 from __future__ import annotations
 
 import functools
+import itertools
+import operator
 from collections.abc import Callable, Iterable
 from typing import Annotated, Any, Final
 
@@ -37,9 +39,13 @@ def _unique(ids: Iterable[str]) -> list[str]:
     return list(dict.fromkeys(ids))
 
 
+#: The request id of a readiness entry (``map`` it over entries: no Python-level loop).
+entry_request_id: Final = operator.attrgetter("ext_req_id")
+
+
 def _message_ids(msg: ReadReadyBatch) -> list[str]:
     """Every request id a readiness names: its entries, then its done ids."""
-    return _unique([*(rr.ext_req_id for rr in msg.read_reqs), *msg.done_ext_ids])
+    return _unique(itertools.chain(map(entry_request_id, msg.read_reqs), msg.done_ext_ids))
 
 
 # A readiness frame as every encoder writes it: a fixarray (at most 9 fields), then the
@@ -56,8 +62,9 @@ class _SharedIdsReadReq(ReadReq):
     """
 
     def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.indexer_block_ids == self.main_block_ids:
+        # ReadReq's own rule (None means the main ids) folded in: one call per entry.
+        indexer = self.indexer_block_ids
+        if indexer is None or indexer == self.main_block_ids:
             self.indexer_block_ids = self.main_block_ids
 
 

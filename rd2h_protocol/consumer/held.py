@@ -19,10 +19,12 @@ at the load they keep) or is an upper bound of it, so the budgets bound what is 
 
 from __future__ import annotations
 
+import operator
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Final
 
+from rd2h_protocol.consumer.frames import entry_request_id
 from rd2h_protocol.consumer.records import _Session
 from rd2h_protocol.consumer.state import _EndpointState
 from rd2h_protocol.wire.layout import LayerLayout
@@ -80,29 +82,40 @@ def _reply_cost(reply: ReadDone | ReadFailed | None) -> int:
     if isinstance(reply, ReadFailed):
         return held + sys.getsizeof(reply.error or "")
     failed = reply.failed or ()
-    held += sys.getsizeof(failed)
-    for f in failed:
-        held += sys.getsizeof(f) + sys.getsizeof(f.ext_req_id) + sys.getsizeof(f.message)
-    return held
+    held += sys.getsizeof(failed) + sum(map(sys.getsizeof, failed))
+    held += sum(map(sys.getsizeof, map(entry_request_id, failed)))
+    return held + sum(map(sys.getsizeof, map(_MESSAGE, failed)))
 
 
-def _entry_bytes(rr: ReadReq) -> int:
-    """Bytes one decoded entry holds: the record, its request id and its id lists (each id
-    an int above 256 at the worst: an upper bound, ids below that are shared objects; a
-    list both fields share counted once)."""
-    held = sys.getsizeof(rr) + sys.getsizeof(rr.ext_req_id)
-    main, indexer = rr.main_block_ids, rr.indexer_block_ids
-    held += sys.getsizeof(main) + _INT_BYTES * len(main)
-    if indexer is not None and indexer is not main:
-        held += sys.getsizeof(indexer) + _INT_BYTES * len(indexer)
-    return held
+_MAIN_IDS: Final = operator.attrgetter("main_block_ids")
+_MESSAGE: Final = operator.attrgetter("message")
+
+
+def _entries_bytes(entries: Sequence[ReadReq]) -> int:
+    """Bytes decoded entries hold: the records, their request ids and their id lists (each
+    id an int above 256 at the worst: an upper bound, ids below that are shared objects; a
+    list both fields share counted once). Summed by ``map``: this runs once per readiness,
+    over up to 16,384 entries, while the Decode worker's lock is held."""
+    mains = list(map(_MAIN_IDS, entries))
+    indexers = [
+        ix
+        for rr in entries
+        if (ix := rr.indexer_block_ids) is not None and ix is not rr.main_block_ids
+    ]
+    return (
+        sum(map(sys.getsizeof, entries))
+        + sum(map(sys.getsizeof, map(entry_request_id, entries)))
+        + sum(map(sys.getsizeof, mains))
+        + sum(map(sys.getsizeof, indexers))
+        + _INT_BYTES * (sum(map(len, mains)) + sum(map(len, indexers)))
+    )
 
 
 def _entries_cost(raw: bytes, entries: list[ReadReq]) -> int:
     """Bytes a session's kept entries hold: their bytes, the decoded entries and an
     allowance for the share worked out for each."""
     held = sys.getsizeof(raw) + sys.getsizeof(entries)
-    return held + sum(_entry_bytes(rr) + _SHARE_BYTES for rr in entries)
+    return held + _entries_bytes(entries) + _SHARE_BYTES * len(entries)
 
 
 class _SessionBudgets(_EndpointState):

@@ -28,7 +28,7 @@ from typing import Final
 import msgspec
 
 from rd2h_protocol.consumer.frames import _PARK_ENCODER, _UNPACK_DECODER, _message_ids
-from rd2h_protocol.consumer.held import _entry_bytes, _SessionBudgets
+from rd2h_protocol.consumer.held import _entries_bytes, _SessionBudgets
 from rd2h_protocol.consumer.records import _Parked, _ParkedAbort, _Readiness
 from rd2h_protocol.errors import ErrorCode
 from rd2h_protocol.machines.consumer import M_LOCAL_UNPARK, R_RECV_ABORT
@@ -57,7 +57,7 @@ def _park_cost(item: _Parked, packed: bytes | None = None) -> int:
     held += sys.getsizeof(msg.done_ext_ids) + sum(map(sys.getsizeof, msg.done_ext_ids))
     if packed is not None:
         return held + sys.getsizeof(packed)
-    return held + sum(map(_entry_bytes, msg.read_reqs))
+    return held + _entries_bytes(msg.read_reqs)
 
 
 class _Parking(_SessionBudgets):

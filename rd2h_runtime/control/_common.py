@@ -39,12 +39,22 @@ class ControlOptions:
       its length plus a small fixed overhead). A frame over either budget is dropped on
       arrival, counted in ``ControlStats.dropped_over_budget`` and logged once per peer. The
       per-peer budget must hold at least one frame of ``max_frame_bytes``. Left out, they
-      are 2x and 16x ``max_frame_bytes``: a peer may have one largest frame in service and
-      one waiting.
+      are 1.5x and 16x ``max_frame_bytes``: a peer may have one largest frame in service
+      and half as much waiting. With ZMQ's own queue (``peer_queued_frames``, plus the
+      frame it is reading) a peer sending the largest frames makes the process hold at
+      most ``peer_inbound_bytes + (peer_queued_frames + 1) * max_frame_bytes``: 56 MiB
+      with the defaults.
     - ``peer_backlog_s`` (Decode server with a handler): a peer's received frames may add up to
       at most this much handler time, estimated from the time its recent frames took per
       byte; beyond it its frames are dropped and counted like those over a byte budget.
     - ``sndhwm`` / ``rcvhwm``: ZMQ's own per-connection queues.
+    - ``peer_queued_frames`` (Decode server): ZMQ's receive queue per Prefill connection
+      (the ROUTER's RCVHWM, in place of ``rcvhwm``). ZMQ bounds it in frames, not bytes, and
+      allocates each frame whole once its header arrives, so a peer sending frames of
+      ``max_frame_bytes`` can make ZMQ hold this many of them, plus the one it is reading,
+      before the I/O thread files them against the byte budgets. Kept small: the I/O thread
+      empties the queue as fast as frames come, and when it is full ZMQ stops reading that
+      one connection (TCP back-pressure to that peer), it drops nothing.
     - ``outgoing_capacity``: our queue in front of the socket (the server's one queue, the
       client's queue per Decode endpoint); ``send()`` raises :class:`QueueFull` beyond it.
     - ``incoming_capacity``: the event queue used when no handler is given; when it is full the
@@ -62,12 +72,13 @@ class ControlOptions:
     heartbeat_ttl_s: float = 20.0
     reconnect_grace_s: float = 5.0
     max_frame_bytes: int = MAX_FRAME_BYTES
-    # None: derived from max_frame_bytes (2x and 16x) when the options are built.
+    # None: derived from max_frame_bytes (1.5x and 16x) when the options are built.
     peer_inbound_bytes: int = None  # type: ignore[assignment]
     inbound_bytes: int = None  # type: ignore[assignment]
     peer_backlog_s: float = 2.0
     sndhwm: int = 10_000
     rcvhwm: int = 10_000
+    peer_queued_frames: int = 1
     outgoing_capacity: int = 10_000
     incoming_capacity: int = 10_000
     max_connections: int = 1024
@@ -83,7 +94,7 @@ class ControlOptions:
         # Budgets left out follow max_frame_bytes, so raising that one alone stays valid.
         if self.peer_inbound_bytes is None:
             object.__setattr__(
-                self, "peer_inbound_bytes", 2 * (self.max_frame_bytes + _FRAME_OVERHEAD)
+                self, "peer_inbound_bytes", 3 * (self.max_frame_bytes + _FRAME_OVERHEAD) // 2
             )
         if self.inbound_bytes is None:
             object.__setattr__(self, "inbound_bytes", 16 * (self.max_frame_bytes + _FRAME_OVERHEAD))
@@ -98,6 +109,7 @@ class ControlOptions:
             "peer_backlog_s": self.peer_backlog_s,
             "sndhwm": self.sndhwm,
             "rcvhwm": self.rcvhwm,
+            "peer_queued_frames": self.peer_queued_frames,
             "outgoing_capacity": self.outgoing_capacity,
             "incoming_capacity": self.incoming_capacity,
             "max_connections": self.max_connections,
@@ -181,10 +193,13 @@ ConnectionKind = Literal["connected", "disconnected", "handshake_failed", "conne
 
 @dataclass(frozen=True, slots=True)
 class PeerFrame:
-    """Server side: one valid frame from a Prefill peer (``peer`` is its ZMQ routing id)."""
+    """Server side: one valid frame from a Prefill peer (``peer`` is its ZMQ routing id).
+
+    ``payload`` is a memoryview of ZMQ's buffer for a large frame (not copied), else bytes.
+    """
 
     peer: bytes
-    payload: bytes
+    payload: bytes | memoryview
 
 
 @dataclass(frozen=True, slots=True)

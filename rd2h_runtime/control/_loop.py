@@ -486,6 +486,7 @@ class IOLoop(Generic[EventT]):
             except Exception:
                 self._stats.handler_errors += 1
                 log.exception("%s: handler raised on %r", self._describe(), type(event).__name__)
+            del taken, event  # freed before its bytes leave the budget, not at the next get
             if key is not None:
                 inbox.done(key, charged, time.perf_counter() - start)
 

@@ -29,6 +29,10 @@ from rd2h_runtime.control._loop import IOLoop, has_input
 
 log = logging.getLogger("rd2h_runtime.control")
 
+# Frames up to this size are copied into bytes (cheap, and ZMQ's buffer is freed at once);
+# larger ones are delivered as a memoryview of ZMQ's buffer.
+_COPY_BELOW = 64 << 10
+
 
 class DecodeControlServer(IOLoop[ServerEvent]):
     """The ROUTER a Decode TP rank binds on ``tcp://host:port`` (v1 framing).
@@ -135,6 +139,7 @@ class DecodeControlServer(IOLoop[ServerEvent]):
         router = ctx.socket(zmq.ROUTER)
         self._router = router
         self._configure(router)
+        router.setsockopt(zmq.RCVHWM, self._options.peer_queued_frames)
         # Unknown routing ids and full peer queues raise instead of silently dropping, so a
         # lost reply is counted and reported.
         router.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -179,12 +184,17 @@ class DecodeControlServer(IOLoop[ServerEvent]):
             if len(body) != 1:
                 self._stats.malformed_frames += 1
                 continue
-            peer = frames[0].bytes
-            size = len(body[0])
+            peer, frame = frames[0].bytes, body[0]
+            del frames, body  # a frame dropped below is freed before the next one is read
+            size = len(frame)
             # Only this thread adds, so a frame admitted now is still admitted once copied.
             if self._admits(peer, size):
                 self._stats.frames_in += 1
-                self._deliver_from(peer, PeerFrame(peer, body[0].bytes), size)
+                # A large frame is handed on as a view of ZMQ's own buffer: copying it would
+                # hold it twice while the next one arrives.
+                payload = frame.buffer if size > _COPY_BELOW else frame.bytes
+                self._deliver_from(peer, PeerFrame(peer, payload), size)
+            del frame
 
     def _flush(self) -> None:
         router = self._router

@@ -427,5 +427,41 @@ def test_budgets_must_hold_one_largest_frame() -> None:
     with pytest.raises(ConfigError, match="peer_inbound_bytes"):
         ControlOptions(max_frame_bytes=4096, peer_inbound_bytes=4096)
     options = ControlOptions(max_frame_bytes=4096)
-    assert options.peer_inbound_bytes == 2 * (4096 + 256)
+    assert options.peer_inbound_bytes == 3 * (4096 + 256) // 2
     assert options.inbound_bytes == 16 * (4096 + 256)
+
+
+def test_large_frames_arrive_uncopied_small_ones_as_bytes(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    rec = Recorder()
+    server = start_server(rec)
+    try:
+        d = dealer(ctx, server)
+        big = bytes(range(256)) * 1024  # 256 KiB: a view of ZMQ's buffer, not a copy
+        d.send(big)
+        d.send(b"small")
+        first, second = rec.wait_frames(2)
+        assert isinstance(first.payload, memoryview) and first.payload == big
+        assert isinstance(second.payload, bytes) and second.payload == b"small"
+    finally:
+        server.close()
+
+
+def test_a_burst_passes_zmqs_one_frame_queue_in_order_without_loss(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    # ZMQ queues one frame per peer (peer_queued_frames): when that is full it stops
+    # reading the connection, so a burst waits in TCP, it is not dropped.
+    assert ControlOptions().peer_queued_frames == 1
+    rec = Recorder()
+    server = start_server(rec)
+    try:
+        d = dealer(ctx, server)
+        for i in range(2000):
+            d.send(b"%d" % i)
+        frames = rec.wait_frames(2000)
+        assert [f.payload for f in frames] == [b"%d" % i for i in range(2000)]
+        assert server.stats.dropped_over_budget == 0
+    finally:
+        server.close()

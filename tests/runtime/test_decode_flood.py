@@ -21,15 +21,6 @@ RSS_BUDGET_MB = 64.0
 # for at most the hostile frame in service. Before fair delivery, a park flood held the
 # Decode for seconds and the healthy Prefill's lease expired.
 ADDED_MEDIAN_S = 1.0
-# Probes whose peak RSS still passes the budget in some runs although the protocol endpoint
-# now holds little of it: the huge probe's 15 MB readiness is over the block-id bound and
-# refused, at < 1 MB and 0.07 s to the endpoint; 300 churned
-# 4,096-layer sessions +1.7 MB (tests/protocol/test_hostile_budgets.py). What remains is
-# held outside the endpoint while the frames arrive (ZMQ's and the control server's
-# buffers, the allocator): +41 to +135 MB (churn) and +59 to +264 MB (huge) over quiet in
-# runs of ``bench_hostile`` on one loaded 2-core VM. Until that is bounded, their memory
-# check is an expected failure; their rounds are still checked.
-OUTSIDE_THE_ENDPOINT = {"huge", "churn"}
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +43,4 @@ def test_a_flood_leaves_a_healthy_peer_served_and_memory_bounded(pair: Pair, pro
     added = statistics.median(r.flood_s) - statistics.median(r.quiet_s)
     assert added <= ADDED_MEDIAN_S, report(r)
     assert pair.child.call("stats")["healthy"], "the Decode worker caught an error"
-    if probe in OUTSIDE_THE_ENDPOINT and r.rss_over_mb > RSS_BUDGET_MB:
-        pytest.xfail(f"memory held outside the protocol endpoint (issue 24): {report(r)}")
     assert r.rss_over_mb <= RSS_BUDGET_MB, report(r)
