@@ -4,6 +4,7 @@ Run from the repository root::
 
     python -m benchmarks.bench_control_floor            # 1x16 and 64x256 layers
     python -m benchmarks.bench_control_floor --repeats 64
+    python -m benchmarks.bench_control_floor --no-inline  # every read on the read worker
 
 THE FLOOR is a bare pyzmq DEALER/ROUTER ping-pong on 127.0.0.1 (one thread per socket,
 as the runtime has one I/O thread per socket set), with the frame sizes one layer's
@@ -13,7 +14,10 @@ answer a readiness faster than that.
 THE LAYER is one :class:`~rd2h_runtime.prefill.PrefillWorker` and one
 :class:`~rd2h_runtime.decode.DecodeWorker` in this process on real ZMQ sockets, with the
 no-copy backend of ``benchmarks.bench_control_plane`` (the base class's checks run, the
-engine moves nothing). Two costs per layer:
+engine moves nothing). That backend reads on the calling thread, as loopback and cma do,
+so Decode's dispatcher reads a small plan itself, as it would on them (inline reads, see
+``rd2h_runtime.decode``); ``--no-inline`` hands every plan to the read worker instead.
+Two costs per layer:
 
 * Decode round trip: the readiness frame handed to the Prefill socket -> its reply
   handed to the Prefill endpoint (the floor plus everything Decode does);
@@ -57,6 +61,7 @@ from rd2h_protocol.errors import ProtocolError
 from rd2h_protocol.wire.codec import encode
 from rd2h_protocol.wire.layout import encode_layer_metadata
 from rd2h_protocol.wire.messages import MfMeta, ReadReadyBatch, ReadReq
+from rd2h_runtime.decode import INLINE_READ_BYTES
 from rd2h_runtime.planning import build_descriptors
 from rd2h_runtime.transfer.base import BlockingCallRunner
 
@@ -245,14 +250,14 @@ TIMELINE = (
     ("P hop: compute -> I/O (wake-up)", "P send>", "P zmq send>"),
     ("P->D: TCP, D poll, recv", "P zmq send>", "D frame>"),
     ("D frame: decode, validate, plan", "D frame>", "D frame<"),
-    ("D hop: I/O -> read worker", "D frame<", "D plan>"),
+    ("D hop: -> reader (none inline)", "D frame<", "D plan>"),
     ("D descriptors", "D plan>", "D plan<"),
     ("D checks before the engine", "D plan<", "D engine>"),
     ("D engine call (no-copy)", "D engine>", "D engine<"),
     ("D hop: engine -> read_finished", "D engine<", "D read_finished>"),
     ("D read_finished", "D read_finished>", "D read_finished<"),
     ("D encode reply", "D read_finished<", "D send>"),
-    ("D hop: read worker -> I/O (wake)", "D send>", "D zmq send>"),
+    ("D hop: reader -> I/O (wake)", "D send>", "D zmq send>"),
     ("D->P: TCP, P poll, recv", "D zmq send>", "P reply>"),
     ("P reply handling", "P reply>", "P reply<"),
     ("P hop: I/O -> compute thread", "P reply<", "gate"),
@@ -260,12 +265,15 @@ TIMELINE = (
 
 
 def measure_layer(
-    requests: int, blocks: int, contiguous: bool, repeats: int
+    requests: int, blocks: int, contiguous: bool, repeats: int, *, inline: bool = True
 ) -> tuple[list[float], list[float], dict[str, float], dict[str, int]]:
     """Per-layer (Decode round trip, publish -> gate reopen) samples, the median of each
-    TIMELINE interval, and the frame sizes."""
+    TIMELINE interval, and the frame sizes. ``inline``: Decode's dispatcher reads small
+    plans itself (the no-copy backend, like loopback and cma, reads on the calling thread:
+    it gets their default bound); False: every plan goes to the read worker."""
     probe = Probe()
     pair = Pair(build_descriptors, requests, blocks, contiguous=contiguous, seed=0)
+    pair.decode.inline_read_bytes = INLINE_READ_BYTES if inline else 0
     try:
         instrument(pair, probe)
         for _ in range(2):  # warm-up: handshake, first allocations, caches
@@ -291,6 +299,41 @@ def measure_layer(
             pair.prefill.end_step()
         medians = {label: statistics.median(v) for label, v in parts.items()}
         return round_trips, gates, medians, dict(probe.sizes)
+    finally:
+        pair.close()
+
+
+def inline_ab(requests: int, blocks: int, repeats: int) -> tuple[float, float, float, float]:
+    """Median Decode round trip and publish -> gate reopen of one random layer shape with
+    inline reads on and off, in ONE pair whose steps alternate between the two (in an
+    ABBA order): (rtt on, rtt off, gate on, gate off). Separate runs of this machine
+    differ by more than inline reads change (the floor itself moves 2x from one process to
+    the next); alternating within one process compares like with like."""
+    probe = Probe()
+    pair = Pair(build_descriptors, requests, blocks, contiguous=False, seed=0)
+    try:
+        instrument(pair, probe)
+        for _ in range(2):
+            pair.step(range(LAYERS))
+        rtts: dict[bool, list[float]] = {True: [], False: []}
+        gates: dict[bool, list[float]] = {True: [], False: []}
+        marks = probe.marks
+        for n in range(2 * max(1, repeats // LAYERS)):
+            inline = n % 4 in (0, 3)
+            pair.decode.inline_read_bytes = INLINE_READ_BYTES if inline else 0
+            for ext, main, idx in pair.chunks:
+                pair.prefill.schedule_chunk(ext, main, idx, 0, 0, False)
+            for layer in range(LAYERS):
+                marks.clear()
+                t0 = time.perf_counter()
+                pair.prefill.layer_written(layer)
+                if not pair.prefill.wait_writable(layer, 30.0):
+                    raise TimeoutError(f"no reply for layer {layer} within 30 s")
+                gates[inline].append(time.perf_counter() - t0)
+                rtts[inline].append(marks["P reply>"] - marks["P send>"])
+            pair.prefill.end_step()
+        med = statistics.median
+        return med(rtts[True]), med(rtts[False]), med(gates[True]), med(gates[False])
     finally:
         pair.close()
 
@@ -435,18 +478,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--backends", nargs="*", default=["loopback", "cma", "nixl", "mooncake", "memfabric"]
     )
     ap.add_argument("--strict", action="store_true", help="exit 1 when a goal is missed")
+    ap.add_argument(
+        "--no-inline",
+        action="store_true",
+        help="Decode hands every plan to its read worker (no inline reads on the dispatcher)",
+    )
     args = ap.parse_args(argv)
 
     print(
         "layer control cost against the socket floor (bare DEALER/ROUTER ping-pong, same "
-        f"frame sizes), no-copy backend, {HOST}, medians of {args.repeats} layers"
+        f"frame sizes), no-copy backend, {HOST}, medians of {args.repeats} layers; Decode "
+        + ("reads every plan on its read worker" if args.no_inline else "reads small plans inline")
     )
     rows = []
     breakdowns = []
     missed = []
     for requests, blocks in SHAPES:
         for contiguous in (False, True):
-            rts, gates, parts, sizes = measure_layer(requests, blocks, contiguous, args.repeats)
+            rts, gates, parts, sizes = measure_layer(
+                requests, blocks, contiguous, args.repeats, inline=not args.no_inline
+            )
             floor = socket_floor(sizes["readiness"], sizes["reply"], args.floor_repeats)
             rt, gate = statistics.median(rts), statistics.median(gates)
             shape = f"{requests}x{blocks} {'contig' if contiguous else 'random'}"
@@ -478,6 +529,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     for label, _, _ in TIMELINE:
         cells = "".join(f"{fmt_ms(parts[label]):>16}" for _, parts in breakdowns)
         print(f"{label:<34}{cells}")
+
+    print(
+        "\ninline reads on/off in one pair, steps alternating (medians of "
+        f"{4 * args.repeats} layers each, ms; the 64x256 plan is over the inline bound)"
+    )
+    print(
+        f"{'layer':<10}{'D rtt on':>10}{'off':>8}{'on/off':>8}{'gate on':>9}{'off':>8}{'on/off':>8}"
+    )
+    for requests, blocks in SHAPES:
+        rt_on, rt_off, g_on, g_off = inline_ab(requests, blocks, 4 * args.repeats)
+        print(
+            f"{f'{requests}x{blocks}':<10}{fmt_ms(rt_on):>10}{fmt_ms(rt_off):>8}"
+            f"{rt_on / rt_off:>7.2f}x{fmt_ms(g_on):>9}{fmt_ms(g_off):>8}{g_on / g_off:>7.2f}x"
+        )
 
     print(
         "\nDecode handling of one random readiness of a v1 session (receive + "

@@ -22,10 +22,43 @@ Prefill may reuse the storage); the outcome goes back to the endpoint with
 runs. A read whose ``start_by`` passed before the worker got to it is not started: it is
 reported as a ``LEASE_EXPIRED`` failure, as the endpoint asks.
 
+Inline reads. Handing a plan to the read worker costs a thread hand-off (a queue wake-up
+and the GIL) per layer, which a small layer's round trip feels (issue 23). So the
+dispatcher runs a plan itself, right after the frame that produced it, when all of these
+hold (:meth:`DecodeWorker._inline_ok`):
+
+* the backend reads on the calling thread, so a read that returned or raised has nothing
+  left running (loopback and cma by default; ``inline_read_bytes`` opts another in or
+  turns the path off);
+* the plan is small: at most ``inline_read_bytes`` (1 MiB by default) and at most
+  :data:`INLINE_READ_PIECES` block pieces (an upper bound on its descriptors). On loopback
+  and cma such a read takes about 0.2 ms or less, about what decoding and planning one
+  large (64x256) readiness costs the dispatcher anyway; that is the longest the other
+  peers' frames wait behind it. The dispatcher charges that time to the frame's peer, so
+  the fair inbox counts it against the peer that asked for the read;
+* the read worker has nothing queued or running (``_pending_reads`` is 0), so an inline
+  read never overtakes a queued one nor takes a plan from a batch it could have joined;
+* the frame's call started exactly one read (a handshake that serves several parked
+  readiness messages queues them, to be batched).
+
+The read runs outside the worker's lock, as on the read worker, with the same bounds
+(``start_by``, ``read_timeout_s``, ``finish_by``), the same records and the same
+``read_finished``; the reply is queued from the dispatcher. A layer then crosses two
+threads on Decode instead of three (I/O -> dispatcher -> I/O, no read worker between). The
+control server asks its handler not to run data reads; these are the bounded exception
+its fairness accounting covers. Reads stay one at a time: whoever reads
+holds ``_read_lock``; the dispatcher only tries it, and when the read worker holds it (a
+read a caller's ``add_request`` queued in between) the plan goes to the read worker's queue
+instead, so the dispatcher never waits for a read it did not start. Should a failed
+inline read leave an engine call running after all (a backend opted in wrongly), its
+outliving and its report go to the read worker (:class:`_Ran`), never blocking the
+dispatcher. A plan the worker's close overtook is dropped, as queued plans are.
+
 Three threads call into the endpoint (the caller, the dispatcher, the read worker); ONE
 lock serialises every call together with the execution of its outputs, which never
 block (the ROUTER queues frames, the read queue is unbounded and holds at most one plan
-per readiness message). Lock order: this worker's lock, then the server's internal lock.
+per readiness message). Lock order: this worker's lock, then the server's internal lock;
+``_read_lock`` is never held together with either.
 The lock, the calls, the trace and the lifecycle are
 :class:`~rd2h_runtime.worker.EndpointWorker`'s.
 
@@ -79,13 +112,30 @@ from rd2h_runtime.trace import open_tracer
 from rd2h_runtime.transfer import TransferBackend
 from rd2h_runtime.worker import CLOSE_TIMEOUT_S, EndpointWorker
 
-__all__ = ["DecodeMetrics", "DecodeWorker", "Outcome", "ReadRecord", "destination_regions"]
+__all__ = [
+    "INLINE_READ_BYTES",
+    "INLINE_READ_PIECES",
+    "DecodeMetrics",
+    "DecodeWorker",
+    "Outcome",
+    "ReadRecord",
+    "destination_regions",
+]
 
 log = logging.getLogger("rd2h_runtime.decode")
 
 _OUTLIVE_POLL_S: Final = 5.0  # how often a failed read's running engine call is checked
 #: By default, at most this many queued plans (layers) go into one engine read.
 MAX_BATCHED_READS: Final = 64
+#: By default, the dispatcher runs a plan of at most this many bytes itself (an inline
+#: read, see the module docstring) on a backend that reads on the calling thread.
+INLINE_READ_BYTES: Final = 1 << 20
+#: An inline read's plan has at most this many block pieces (a block of one component of
+#: one request: an upper bound on its descriptors, which coalescing only lowers).
+INLINE_READ_PIECES: Final = 256
+#: Backends whose ``read`` runs on the calling thread and leaves nothing running once it
+#: returned or raised: inline reads are on for them by default.
+_CALLER_THREAD_BACKENDS: Final = frozenset({"loopback", "cma"})
 # ConsumerStats counters of peer input that was refused or dropped: logged per peer.
 _REFUSALS: Final = (
     "malformed_frames",
@@ -103,6 +153,32 @@ _REFUSAL_LOG_PEERS: Final = 1024  # peers remembered for that
 
 class _PlannerBug(Exception):
     """The descriptors of a read do not cover exactly the bytes its plan owns."""
+
+
+@dataclass(slots=True)
+class _Ran:
+    """Reads the dispatcher ran inline that failed while an engine call of theirs still
+    ran: the read worker outlives that call, then reports them (with their ``errors``)."""
+
+    batch: list[StartRead]
+    errors: list[TransferError | None]
+
+
+def _within(plan: ReadPlan, max_bytes: int, max_pieces: int) -> bool:
+    """Whether ``plan`` moves at most ``max_bytes`` in at most ``max_pieces`` block pieces
+    (a piece is one block of one component of one request, so the pieces bound the plan's
+    descriptors from above). Stops at the first request past either bound."""
+    main, idx = plan.main, plan.indexer
+    main_block = sum(c.block_bytes for c in main)
+    idx_block = sum(c.block_bytes for c in idx)
+    nbytes = pieces = 0
+    for r in plan.requests:
+        m, i = len(r.main_src), len(r.indexer_src)
+        nbytes += m * main_block + i * idx_block
+        pieces += m * len(main) + i * len(idx)
+        if nbytes > max_bytes or pieces > max_pieces:
+            return False
+    return True
 
 
 def _joined(descs: Sequence[Descriptors]) -> tuple[Any, Any, Any]:
@@ -164,6 +240,7 @@ class DecodeMetrics:
     descriptors: int = 0
     plan_s: float = 0.0  # total time turning plans into descriptors
     read_s: float = 0.0  # total time inside backend.read
+    inline_reads: int = 0  # reads the dispatcher ran (or found too late) itself: module doc
     frames_sent: int = 0
     send_failures: int = 0  # replies the server refused or could not deliver
     handler_errors: int = 0  # exceptions caught on the dispatcher or the read worker
@@ -181,7 +258,13 @@ class DecodeWorker(EndpointWorker[Output, Outcome, bytes, ServerEvent]):
     :meth:`release`, for :meth:`wait_finished`. ``planner`` turns a read plan into the
     descriptors of one batched read (benchmarks swap in a baseline to compare).
     ``max_batched_reads``: at most this many plans queued together (one Prefill session)
-    go into one engine read; 1 reads each plan on its own.
+    go into one engine read; 1 reads each plan on its own. ``inline_read_bytes``: the
+    largest plan the dispatcher reads itself when the read worker is idle (see the module
+    docstring); None: :data:`INLINE_READ_BYTES` on a backend known to read on the calling
+    thread (loopback, cma), 0 (never) on the others; 0 turns inline reads off. Give a
+    positive value for another backend only if its ``read`` leaves nothing running once
+    it returned or raised, and its small reads are fast (no network round trip). It is
+    kept as :attr:`inline_read_bytes` and may be changed while the worker runs.
     """
 
     _ROLE = "Decode"
@@ -209,11 +292,18 @@ class DecodeWorker(EndpointWorker[Output, Outcome, bytes, ServerEvent]):
         on_read: Callable[[ReadRecord], None] | None = None,
         trace_dir: str | None = None,
         max_batched_reads: int = MAX_BATCHED_READS,
+        inline_read_bytes: int | None = None,
     ) -> None:
         super().__init__(backend, own_backend, on_outcome)
         if max_batched_reads < 1:
             raise LocalProtocolError(f"max_batched_reads must be >= 1, got {max_batched_reads}")
         self._max_batch = max_batched_reads
+        if inline_read_bytes is None:
+            inline_read_bytes = INLINE_READ_BYTES if backend.name in _CALLER_THREAD_BACKENDS else 0
+        if inline_read_bytes < 0:
+            raise LocalProtocolError(f"inline_read_bytes must be >= 0, got {inline_read_bytes}")
+        #: The largest plan (bytes) the dispatcher reads itself; 0: never. Read under the lock.
+        self.inline_read_bytes = inline_read_bytes
         self.config = config
         self._on_read = on_read
         self._planner = planner
@@ -222,9 +312,18 @@ class DecodeWorker(EndpointWorker[Output, Outcome, bytes, ServerEvent]):
         self._tracer = open_tracer(trace_dir, "decode", config.d_rank, config)
         self._outcomes: dict[str, Outcome] = {}
         self._releasable: set[str] = set()
-        self._reads: queue.SimpleQueue[StartRead | None] = queue.SimpleQueue()
+        self._reads: queue.SimpleQueue[StartRead | _Ran | None] = queue.SimpleQueue()
+        # Plans started and not reported yet: queued, being read (here or inline), outlived.
         self._pending_reads = 0
-        self._last_reads: list[ReadRecord] = []  # the read worker's own, no lock
+        # Held by whoever runs an engine read (and, on the read worker, outlives a failed
+        # one): reads stay one at a time. Never held with self._lock.
+        self._read_lock = threading.Lock()
+        # True while the dispatcher executes a frame's outputs (lock held): a StartRead
+        # among them may become an inline read.
+        self._dispatching = False
+        # The plan the dispatcher runs once the frame's call released the lock (dispatcher
+        # only).
+        self._inline: StartRead | None = None
         self.metrics = DecodeMetrics()
         # peer -> (when its refused input was last logged, refusals held back since)
         self._refusals_logged: OrderedDict[bytes, tuple[float, int]] = OrderedDict()
@@ -367,8 +466,11 @@ class DecodeWorker(EndpointWorker[Output, Outcome, bytes, ServerEvent]):
             if isinstance(out, Reply | SendAbort):
                 self._send(out.peer, encode(out.msg))
             elif isinstance(out, StartRead):
+                if self._inline_ok(out, outputs):
+                    self._inline = out  # the dispatcher reads it once the lock is released
+                else:
+                    self._reads.put(out)
                 self._pending_reads += 1
-                self._reads.put(out)
             elif isinstance(out, RequestDone):
                 reported.append(Outcome(out.ext_req_id, True, at=time.monotonic()))
             elif isinstance(out, RequestFailed):
@@ -386,6 +488,56 @@ class DecodeWorker(EndpointWorker[Output, Outcome, bytes, ServerEvent]):
             wake = True
         return reported, wake
 
+    def _inline_ok(self, start: StartRead, outputs: list[Output]) -> bool:
+        """Whether the dispatcher reads ``start`` itself (lock held; the module docstring
+        says why each condition)."""
+        limit = self.inline_read_bytes
+        if not (self._dispatching and limit and self._inline is None and not self._pending_reads):
+            return False
+        if sum(isinstance(out, StartRead) for out in outputs) != 1:
+            return False
+        return _within(start.plan, limit, INLINE_READ_PIECES)
+
+    def _on_event(self, event: ServerEvent) -> None:
+        """The dispatcher: the event (under the lock), then the inline read it started."""
+        super()._on_event(event)
+        start, self._inline = self._inline, None
+        if start is not None:
+            self._read_inline(start)
+
+    def _read_inline(self, start: StartRead) -> None:
+        """Run ``start`` on the dispatcher (no lock held) and report it, as the read worker
+        would; never waits for a read it did not start. Never raises."""
+        try:
+            if self._closed:
+                return  # dropped, as the plans still queued at close are
+            if not self._read_lock.acquire(blocking=False):
+                # The read worker is reading (a plan a caller's call queued meanwhile): it
+                # takes this one next; _pending_reads counts it already.
+                self._reads.put(start)
+                return
+            try:
+                errors, records = self._read_batch([start])
+                self.metrics.inline_reads += 1
+                running = any(e is not None for e in errors) and not self._backend.quiesce(0.0)
+            finally:
+                self._read_lock.release()
+            self._observe_read(records)
+            if running:
+                # Outliving the engine call may take long: the read worker does it, then
+                # reports the read.
+                log.error(
+                    "inline read %d failed and its %s call still runs: this backend should "
+                    "not read inline (inline_read_bytes=0)",
+                    start.plan.read_id,
+                    self._backend.name,
+                )
+                self._reads.put(_Ran([start], errors))
+                return
+            self._finish([start], errors)
+        except Exception as exc:
+            self._caught(exc, "error in inline read %d", start.plan.read_id)
+
     def _handle(self, event: ServerEvent, now: float) -> list[Outcome]:
         """The ROUTER's dispatcher thread: frames, timers, delivery failures."""
         reported: list[Outcome] = []
@@ -397,7 +549,11 @@ class DecodeWorker(EndpointWorker[Output, Outcome, bytes, ServerEvent]):
                 "receive",
                 None if self._tracer is None else {"peer": event.peer, "frame": event.payload},
             )
-            reported = self._execute(outs)
+            self._dispatching = True
+            try:
+                reported = self._execute(outs)
+            finally:
+                self._dispatching = False
             self._log_refusals(event.peer, before, now)
         elif isinstance(event, TimerDue):
             reported = self._timer_due(now)
@@ -439,49 +595,61 @@ class DecodeWorker(EndpointWorker[Output, Outcome, bytes, ServerEvent]):
         )
 
     def _read_loop(self) -> None:
-        backlog: list[StartRead | None] = []  # taken from the queue, not in this batch
+        backlog: list[StartRead | _Ran | None] = []  # taken from the queue, not in this batch
         while True:
             item = backlog.pop(0) if backlog else self._reads.get()
             if item is None:
                 return
+            if isinstance(item, _Ran):  # an inline read whose engine call ran on
+                with self._read_lock:
+                    self._outlive(item.batch[0].plan.read_id)
+                self._finish(item.batch, item.errors)
+                continue
             batch = [item]
             if not backlog:
                 self._take_queued(batch, backlog)
-            errors = self._read_batch(batch)
-            if any(error is not None for error in errors):
-                self._outlive(batch[0].plan.read_id)
-            self._observe_read()
-            reported: list[Outcome] = []
-            try:
-                with self._lock:
-                    self._pending_reads -= len(batch)
-                    if self._closed:
-                        continue
-                    for done, error in zip(batch, errors, strict=True):
-                        read_id = done.plan.read_id
-                        outs = self._traced(
-                            functools.partial(self._endpoint.read_finished, read_id, error),
-                            time.monotonic(),
-                            "read_finished",
-                            None if self._tracer is None else {"read_id": read_id, "error": error},
-                        )
-                        reported += self._execute(outs)
-            except Exception as exc:
-                self._caught(exc, "error after read %d", item.plan.read_id)
-            self._report(reported)
+            with self._read_lock:
+                errors, records = self._read_batch(batch)
+                if any(error is not None for error in errors):
+                    self._outlive(batch[0].plan.read_id)
+            self._observe_read(records)
+            self._finish(batch, errors)
 
-    def _take_queued(self, batch: list[StartRead], backlog: list[StartRead | None]) -> None:
+    def _finish(self, batch: list[StartRead], errors: list[TransferError | None]) -> None:
+        """Report the reads of ``batch`` to the endpoint (``read_finished``) and execute
+        its outputs, then report completions (no lock held on entry). Never raises."""
+        reported: list[Outcome] = []
+        try:
+            with self._lock:
+                self._pending_reads -= len(batch)
+                if self._closed:
+                    return
+                for done, error in zip(batch, errors, strict=True):
+                    read_id = done.plan.read_id
+                    outs = self._traced(
+                        functools.partial(self._endpoint.read_finished, read_id, error),
+                        time.monotonic(),
+                        "read_finished",
+                        None if self._tracer is None else {"read_id": read_id, "error": error},
+                    )
+                    reported += self._execute(outs)
+        except Exception as exc:
+            self._caught(exc, "error after read %d", batch[0].plan.read_id)
+        self._report(reported)
+
+    def _take_queued(self, batch: list[StartRead], backlog: list[StartRead | _Ran | None]) -> None:
         """Add the reads already queued behind ``batch[0]`` from the same Prefill session,
         in order, so that one engine call moves them all: several layers ready at once
         (a claimed Prefill-first request, a Decode that fell behind) pay one read's fixed
-        cost. The first read of another session (or the close) stays for the next round."""
+        cost. The first read of another session (or the close, or an inline read to
+        outlive) stays for the next round."""
         session = batch[0].plan.session
         while len(batch) < self._max_batch:
             try:
                 queued = self._reads.get_nowait()
             except queue.Empty:
                 return
-            if queued is None or queued.plan.session != session:
+            if not isinstance(queued, StartRead) or queued.plan.session != session:
                 backlog.append(queued)
                 return
             batch.append(queued)
@@ -511,14 +679,17 @@ class DecodeWorker(EndpointWorker[Output, Outcome, bytes, ServerEvent]):
                 waited,
             )
 
-    def _read_batch(self, batch: list[StartRead]) -> list[TransferError | None]:
-        """Run the plans of ``batch`` (one Prefill session) as ONE engine read; the error
-        to report for each, None on success. Never raises.
+    def _read_batch(
+        self, batch: list[StartRead]
+    ) -> tuple[list[TransferError | None], list[ReadRecord]]:
+        """Run the plans of ``batch`` (one Prefill session) as ONE engine read: the error
+        to report for each (None on success) and the records of the plans read. Never
+        raises. ``_read_lock`` held (by the read worker or the dispatcher).
 
         A plan whose ``start_by`` passed is not started (its own error); the others share
         the read's outcome, bounded by the earliest ``finish_by`` among them.
         """
-        self._last_reads = []
+        records: list[ReadRecord] = []
         now = time.monotonic()
         errors: list[TransferError | None] = [None] * len(batch)
         started: list[int] = []
@@ -529,7 +700,7 @@ class DecodeWorker(EndpointWorker[Output, Outcome, bytes, ServerEvent]):
                 self.metrics.reads_not_started += 1
                 errors[i] = item.not_started(now)
         if not started:
-            return errors
+            return errors, records
         plans = [batch[i].plan for i in started]
         finish_by = min((f for i in started if (f := batch[i].finish_by) is not None), default=None)
         session = plans[0].session
@@ -595,18 +766,16 @@ class DecodeWorker(EndpointWorker[Output, Outcome, bytes, ServerEvent]):
             else:
                 self.metrics.read_failures += 1
             share = nbytes / batch_bytes if batch_bytes else 1 / len(started)
-            self._last_reads.append(
-                ReadRecord(plan.layer_name, nbytes, ndesc, (end - start) * share, error)
-            )
+            records.append(ReadRecord(plan.layer_name, nbytes, ndesc, (end - start) * share, error))
             if self._tracer is not None:
                 self._tracer.read(plan.read_id, plan.layer_name, start, end, nbytes, ndesc, error)
         if len(started) > 1:
             self.metrics.batched_reads += 1
-        return errors
+        return errors, records
 
-    def _observe_read(self) -> None:
-        """Hand the reads just run to ``on_read`` (read worker thread, no lock held)."""
-        records, self._last_reads = self._last_reads, []
+    def _observe_read(self, records: list[ReadRecord]) -> None:
+        """Hand the reads just run to ``on_read`` (on the thread that ran them: the read
+        worker or, for an inline read, the dispatcher; no lock held)."""
         if self._on_read is None:
             return
         for record in records:
