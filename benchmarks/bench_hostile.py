@@ -16,7 +16,11 @@ For each probe it prints the healthy peer's round trip (Decode ``add_request`` t
 read and the Prefill's storage writable again) quiet and during the flood, as medians and
 their ratio, whether every round succeeded, and the child's peak RSS over its quiet RSS.
 
-    python -m benchmarks.bench_hostile [--seconds 3] [--rounds 20] [--probe parked ...]
+    python -m benchmarks.bench_hostile [--seconds 3] [--rounds 20] [--probe parked ...] [--pin]
+    python -m benchmarks.bench_hostile --v1-liveness 500 --lease-ms 1000
+
+The second measures how soon a live Decode speaking v1 acknowledges a layer, the figure
+behind the default silent-peer window (``ProducerConfig.silent_peer_timeout_s``).
 
 ``tests/runtime/test_decode_flood.py`` runs the same machinery, shorter, with assertions.
 """
@@ -41,6 +45,7 @@ import zmq
 from benchmarks.bench_control_plane import NoopBackend
 from rd2h_protocol.consumer import ConsumerConfig
 from rd2h_protocol.producer import DecodeTarget, ProducerConfig
+from rd2h_protocol.producer.config import ProtocolChoice
 from rd2h_protocol.wire.codec import encode
 from rd2h_protocol.wire.layout import (
     ComponentDest,
@@ -310,7 +315,12 @@ def _flood_child(probe: str, port: int) -> None:
     """The flooder's process: send until a line arrives on stdin, then print the counts."""
     frames = probe_frames(probe)
     stop = threading.Event()
-    threading.Thread(target=lambda: (sys.stdin.readline(), stop.set()), daemon=True).start()
+
+    def wait_for_stop() -> None:
+        sys.stdin.readline()
+        stop.set()
+
+    threading.Thread(target=wait_for_stop, daemon=True).start()
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.IDENTITY, b"hostile")
@@ -369,10 +379,15 @@ class ProbeResult:
 class Pair:
     """The Decode child and a healthy in-process Prefill worker."""
 
-    def __init__(self, lease_ms: int = 2_000) -> None:
+    def __init__(self, lease_ms: int = 2_000, protocol: ProtocolChoice = "v2") -> None:
         self.child = DecodeChild()
         config = ProducerConfig(
-            p_rank=0, p_tp=1, session="", layers=[(LAYER, source_layout())], lease_ms=lease_ms
+            p_rank=0,
+            p_tp=1,
+            session="",
+            layers=[(LAYER, source_layout())],
+            lease_ms=lease_ms,
+            protocol=protocol,
         )
         self.prefill = PrefillWorker(config, NoopBackend(role="prefill"))
         self._n = 0
@@ -488,6 +503,31 @@ def report(r: ProbeResult) -> str:
     )
 
 
+def v1_liveness(rounds: int, lease_ms: int) -> None:
+    """How long a live Decode speaking v1 takes to acknowledge a layer (its ACK is the only
+    sign of life a v1 peer gives), against the silent-peer window a Prefill allows it before
+    reusing held buffers (``ProducerConfig.silent_peer_timeout_s``: one lease by default)."""
+    pair = Pair(lease_ms=lease_ms, protocol="v1")
+    try:
+        took = []
+        for _ in range(rounds):
+            seconds, failed = pair.round()
+            if failed is not None:
+                raise RuntimeError(f"a quiet v1 round failed: {failed}")
+            took.append(seconds)
+    finally:
+        pair.close()
+    took.sort()
+    window = max(1.0, lease_ms / 1000)
+    p99 = took[min(len(took) - 1, int(0.99 * len(took)))]
+    print(
+        f"v1 Decode, {rounds} layer rounds (admission, readiness, read, ACK): median {1000 * statistics.median(took):.1f}"
+        f" ms, p99 {1000 * p99:.1f} ms, max {1000 * took[-1]:.1f} ms; the default silent-peer "
+        f"window at a {lease_ms} ms lease is {window:.1f} s, {window / took[-1]:.0f}x the "
+        "slowest acknowledgement"
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_hostile")
     parser.add_argument("--seconds", type=float, default=3.0, help="flood length per probe")
@@ -498,6 +538,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--pin",
         action="store_true",
         help="the Decode child on CPU 0 alone; this process and the flooder on the others",
+    )
+    parser.add_argument(
+        "--v1-liveness",
+        type=int,
+        metavar="N",
+        help="instead of the floods: N quiet rounds with the Prefill speaking v1, and how "
+        "long a live v1 Decode took to acknowledge against the silent-peer window",
     )
     parser.add_argument("--decode-child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--flood-child", nargs=2, help=argparse.SUPPRESS)
@@ -510,6 +557,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         return
     if args.pin:
         pin({0})
+    if args.v1_liveness:
+        v1_liveness(args.v1_liveness, args.lease_ms)
+        return
     pair = Pair(lease_ms=args.lease_ms)
     try:
         for _ in range(5):  # warm up: the session, the first reads
