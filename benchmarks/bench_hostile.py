@@ -521,8 +521,9 @@ def v1_liveness(rounds: int, lease_ms: int) -> None:
     window = max(1.0, lease_ms / 1000)
     p99 = took[min(len(took) - 1, int(0.99 * len(took)))]
     print(
-        f"v1 Decode, {rounds} layer rounds (admission, readiness, read, ACK): median {1000 * statistics.median(took):.1f}"
-        f" ms, p99 {1000 * p99:.1f} ms, max {1000 * took[-1]:.1f} ms; the default silent-peer "
+        f"v1 Decode, {rounds} layer rounds (admission, readiness, read, ACK): median "
+        f"{1000 * statistics.median(took):.1f} ms, p99 {1000 * p99:.1f} ms, "
+        f"max {1000 * took[-1]:.1f} ms; the default silent-peer "
         f"window at a {lease_ms} ms lease is {window:.1f} s, {window / took[-1]:.0f}x the "
         "slowest acknowledgement"
     )

@@ -381,17 +381,18 @@ class DecodeWorker(EndpointWorker[Output, Outcome, bytes, ServerEvent]):
         Otherwise a read may still write them, and :meth:`wait_releasable` says when they
         may. The request's outcome is forgotten.
         """
-        self._call(
-            lambda now: self._endpoint.release(ext_req_id, now),
-            "release",
-            {"ext_req_id": ext_req_id},
-        )
-        with self._lock:
-            self._outcomes.pop(ext_req_id, None)
-            if ext_req_id in self._releasable:
-                self._releasable.discard(ext_req_id)
-                return True
-            return False
+        with self._ahead():  # no frame handled between the two
+            self._call(
+                lambda now: self._endpoint.release(ext_req_id, now),
+                "release",
+                {"ext_req_id": ext_req_id},
+            )
+            with self._lock:
+                self._outcomes.pop(ext_req_id, None)
+                if ext_req_id in self._releasable:
+                    self._releasable.discard(ext_req_id)
+                    return True
+                return False
 
     def wait_releasable(self, ext_req_id: str, timeout: float) -> bool:
         """Wait until a released request's blocks may be freed; False on timeout."""
@@ -500,10 +501,16 @@ class DecodeWorker(EndpointWorker[Output, Outcome, bytes, ServerEvent]):
 
     def _on_event(self, event: ServerEvent) -> None:
         """The dispatcher: the event (under the lock), then the inline read it started."""
+        queued = self._pending_reads
         super()._on_event(event)
         start, self._inline = self._inline, None
         if start is not None:
             self._read_inline(start)
+        elif self._pending_reads > queued:
+            # A read went to the read worker: let it run now (a sleep lets go of the
+            # interpreter), so that a short read's end is reported, ahead of the next
+            # event (see EndpointWorker._urgently), instead of after it.
+            time.sleep(0)
 
     def _read_inline(self, start: StartRead) -> None:
         """Run ``start`` on the dispatcher (no lock held) and report it, as the read worker
@@ -620,7 +627,7 @@ class DecodeWorker(EndpointWorker[Output, Outcome, bytes, ServerEvent]):
         its outputs, then report completions (no lock held on entry). Never raises."""
         reported: list[Outcome] = []
         try:
-            with self._lock:
+            with self._urgently():  # a read's end goes before the dispatcher's next frame
                 self._pending_reads -= len(batch)
                 if self._closed:
                     return

@@ -17,6 +17,13 @@ Prefill's I/O thread, Decode's dispatcher; Decode's read worker) is kept in
 the channel, the role's own threads, the tracer and the backend (when owned), in that
 order.
 
+The lock is not taken in arrival order: a call someone waits on (the caller's API, a read's
+end on Decode) goes before the channel's handler thread's next event. The handler steps
+aside between two events while such a call waits (:meth:`~EndpointWorker._urgently`), for
+at most ``_STEP_ASIDE_S``. Otherwise a peer whose frames are dear to handle would make
+each of another peer's steps (its admission, its read's end, its release) wait for one of
+them in turn: the handler takes the lock again as soon as it lets go of it.
+
 A role (:class:`~rd2h_runtime.prefill.PrefillWorker`,
 :class:`~rd2h_runtime.decode.DecodeWorker`) builds its endpoint and control channel,
 executes its endpoint's outputs (:meth:`~EndpointWorker._apply`) and turns the channel's
@@ -29,7 +36,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, ClassVar, Final, Generic, Protocol, TypeVar
 
 from rd2h_runtime.control import ControlClosed, ControlStats, QueueFull
@@ -37,6 +44,10 @@ from rd2h_runtime.trace import Tracer
 from rd2h_runtime.transfer import TransferBackend
 
 __all__ = ["EndpointWorker"]
+
+# The longest the channel's handler waits for the calls that go before its next event: a
+# caller that never stops calling cannot starve the peers.
+_STEP_ASIDE_S: Final = 0.05
 
 CLOSE_TIMEOUT_S: Final = 10.0
 
@@ -113,6 +124,9 @@ class EndpointWorker(Generic[OutputT, ReportT, KeyT, EventT]):
         self._on_report = on_report
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
+        # Calls waiting for (or holding) the lock that go before the handler's next event.
+        self._urgent = 0
+        self._gate = threading.Condition(threading.Lock())
         self._errors: list[BaseException] = []
         self._closed = False
         # None unless tracing is on (trace_dir or $RD2H_TRACE_DIR): see rd2h_runtime.trace.
@@ -198,11 +212,31 @@ class EndpointWorker(Generic[OutputT, ReportT, KeyT, EventT]):
 
         ``op`` and ``args`` name the call for the trace (when tracing is on).
         """
-        with self._lock:
+        with self._urgently():
             if self._closed:
                 raise ControlClosed(f"the {self._ROLE} worker is closed")
             reported = self._execute(self._traced(fn, time.monotonic(), op, args))
         self._report(reported)
+
+    @contextlib.contextmanager
+    def _ahead(self) -> Iterator[None]:
+        """While inside, the channel's handler steps aside before its next event: for
+        several locked sections in a row that must not let an event in between."""
+        with self._gate:
+            self._urgent += 1
+        try:
+            yield
+        finally:
+            with self._gate:
+                self._urgent -= 1
+                if not self._urgent:
+                    self._gate.notify_all()
+
+    @contextlib.contextmanager
+    def _urgently(self) -> Iterator[None]:
+        """The lock, for a call that goes before the channel handler's next event."""
+        with self._ahead(), self._lock:
+            yield
 
     def _traced(
         self,
@@ -296,6 +330,8 @@ class EndpointWorker(Generic[OutputT, ReportT, KeyT, EventT]):
         """The control channel's handler thread (Prefill's I/O thread, Decode's dispatcher):
         one event, handled under the lock."""
         reported: list[ReportT] = []
+        with self._gate:  # step aside for the calls waiting (see the module's docstring)
+            self._gate.wait_for(lambda: not self._urgent, _STEP_ASIDE_S)
         try:
             with self._lock:
                 if self._closed:

@@ -147,11 +147,8 @@ class _Serving(_ReadOutcomes):
         if allow_park:
             # (set.difference looks each id up in the dict; _retired, an OrderedDict, it
             # would iterate whole, so the few ids left are looked up there one by one)
-            missing = [
-                ext
-                for ext in set(_message_ids(msg)).difference(self._requests)
-                if ext not in self._retired
-            ]
+            named = set(_message_ids(msg))
+            missing = [ext for ext in named.difference(self._requests) if ext not in self._retired]
             if missing:
                 packed = self._prepare_park(rd, missing)
                 rd.deadline = now + self.config.park_timeout_s
@@ -161,6 +158,18 @@ class _Serving(_ReadOutcomes):
                     self._READINESS.fire(self, rd, M_LOCAL_PARK, packed, missing)
                     return
                 rd.names, rd.left = (), 0
+                if len(missing) == len(named):
+                    # Not one request Decode knows: each would fail alone, UNKNOWN_REQUEST,
+                    # so the readiness fails whole, without a failure record per request
+                    # (what made a flood of such frames dear to handle).
+                    self._refuse(
+                        rd,
+                        now,
+                        ErrorCode.UNKNOWN_REQUEST,
+                        f"none of its {len(named)} requests is known here and the park is full",
+                        fail_known=False,
+                    )
+                    return
         if rd.start_by is not None and now > rd.start_by:
             self.stats.expired_leases += 1
             self._refuse(

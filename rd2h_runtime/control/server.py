@@ -52,7 +52,9 @@ class DecodeControlServer(IOLoop[ServerEvent]):
     Threading: ``start``, ``send``, ``set_timer``, ``recv``, ``stats`` and ``close`` are safe
     from any thread. The socket lives on one I/O thread; ``handler`` (if given) runs on a
     second thread, the dispatcher, one event at a time, in a per-peer FIFO order. It must
-    return quickly and must never run a data read itself; post reads to a worker. ``send``
+    return quickly: post reads to a worker, but for a read bounded like the handling of one
+    frame (the Decode worker reads small plans itself on backends that read on the calling
+    thread); its time is charged to its peer like the rest of the handler's. ``send``
     never blocks: it queues (bounded) and wakes the loop.
     A reply ZMQ cannot take (peer gone, or its queue at the high-water mark) is dropped,
     counted and reported as :class:`PeerSendFailed`.

@@ -936,13 +936,27 @@ def test_a_session_flooding_the_park_leaves_room_for_the_others() -> None:
         tracemalloc.stop()
     assert len(ep.parked()) == 1  # its share: one such message; the others served at once
     (reply,) = replies(outs)
-    assert isinstance(reply, ReadDone) and len(reply.failed or []) == 5_000
-    assert ep.stats.park_budget_refusals == 19
+    # Not one request known: the readiness fails whole, no failure record per request.
+    assert isinstance(reply, ReadFailed) and reply.code == ErrorCode.UNKNOWN_REQUEST
+    assert "none of its 5000 requests" in (reply.error or "")
+    assert ep.stats.park_budget_refusals == 19 and ep.stats.isolated_requests == 0
     assert held < 8 << 20, f"{held} bytes held"
     # The good session still parks what outran its Decode request, and is served.
     assert send(ep, rrb(0, [rr("g1", [7])], seq=0), peer=b"good") == []
     outs = ep.add_request("g1", [9], [9], 0.0)
     assert [s.plan.session for s in of(outs, StartRead)] == ["good"]
+
+
+def test_a_full_park_still_serves_the_known_requests_a_readiness_names() -> None:
+    ep = endpoint(max_parked_bytes=2_400_000, max_parked_bytes_per_session=1_200_000)
+    send(ep, meta("s"))
+    flood = [rr(f"x{i}", [1]) for i in range(5_000)]
+    send(ep, rrb(0, flood, seq=0))  # the session's share of the park, taken
+    ep.add_request("known", [9], [9], 0.0)
+    outs = send(ep, rrb(0, [*flood, rr("known", [3])], seq=1))
+    (start,) = of(outs, StartRead)
+    assert [r.ext_req_id for r in start.plan.requests] == ["known"]
+    assert ep.stats.park_budget_refusals == 1 and ep.stats.isolated_requests == 5_000
 
 
 def test_sessions_one_connection_opens_are_bounded_in_bytes() -> None:
@@ -996,7 +1010,8 @@ def test_park_overflow_serves_at_once() -> None:
     ep = ready(max_parked=1)
     send(ep, rrb(0, [rr("x", [1])], seq=1))
     outs = send(ep, rrb(1, [rr("y", [1])], seq=2))
-    assert replies(outs)[0].failed[0].code == ErrorCode.UNKNOWN_REQUEST
+    (reply,) = replies(outs)  # its one request unknown: it fails whole
+    assert isinstance(reply, ReadFailed) and reply.code == ErrorCode.UNKNOWN_REQUEST
     assert ep.stats.park_overflow == 1
 
 

@@ -20,7 +20,7 @@ RSS_BUDGET_MB = 64.0
 # Generous: a healthy round trip is about a millisecond when quiet; during a flood it waits
 # for at most the hostile frame in service. Before fair delivery, a park flood held the
 # Decode for seconds and the healthy Prefill's lease expired.
-ADDED_MEDIAN_S = 1.0
+ADDED_MEDIAN_S = 0.5
 
 
 @pytest.fixture(scope="module")
