@@ -26,19 +26,19 @@ happens per block; per request only the id sequences are collected. Every layer 
 engine step reads the same ids, so when they are immutable (tuples, ranges: what the
 Decode endpoint hands out) the id-only part (runs, run-start ids) is kept per thread,
 with the run ids and lengths already multiplied by each set of block sizes, and later
-layers only add their bases (see :func:`build_descriptors`, :func:`_scaled`): 24 bytes
-kept per descriptor and size set (1.2 MB for a 64 x 256 random message; a model's layers
-usually share one size set). Work buffers
-are per-thread and reused (see ``_Scratch``); the returned address arrays are always
-fresh (the two are rows of one new block), and the lengths, the same for every layer
-with those block sizes, are the kept read-only row itself, with their exact sum worked
-out once (``Descriptors.total_bytes``): a 64 x 256 random layer then writes 0.8 MB, not
-1.2 MB, and sums no lengths. A small message still pays a fixed cost of a few dozen
-numpy calls (tens of microseconds).
+layers only add their bases (see :func:`build_descriptors` and
+:mod:`rd2h_runtime.planning_addresses`): 24 bytes kept per descriptor and size set (a
+model's layers usually share one size set). Work buffers are per-thread and reused (see
+``_Scratch``); the returned address arrays are always fresh (the two are rows of one new
+block), and the lengths, the same for every layer with those block sizes, are the kept
+read-only row itself, with their exact sum worked out once
+(``Descriptors.total_bytes``), so a later layer writes two rows instead of three and sums
+no lengths. A small message still pays a fixed cost of a few dozen numpy calls. See
+benchmarks/bench_planning.py for the figures.
 
-The module is over 600 lines because planning is one pipeline (pack, find runs, scale,
-add bases) whose steps share the per-thread scratch and the kept runs; split, each part
-would need the others' private types.
+This module packs the ids and finds their runs (everything that touches ids or the
+per-thread work buffers, and the per-thread cache of kept runs);
+:mod:`rd2h_runtime.planning_addresses` turns runs into addresses.
 
 Because every block of a component has the same length, "addresses contiguous" is exactly
 "ids step by +1" (for ``block_bytes > 0`` and no wrap-around, both of which are checked),
@@ -47,12 +47,11 @@ so the run breaks are computed on the ids.
 
 from __future__ import annotations
 
-import functools
 import struct
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, cast
 
 import numpy as np
@@ -60,6 +59,13 @@ import numpy.typing as npt
 
 from rd2h_protocol.errors import ErrorCode, LocalProtocolError
 from rd2h_protocol.plan import ComponentAddrs, ReadPlan, RequestRead
+from rd2h_runtime.planning_addresses import (
+    Descriptors,
+    I64Array,
+    Runs,
+    U64Array,
+    descriptors_of_runs,
+)
 
 __all__ = [
     "BlockIds",
@@ -69,48 +75,7 @@ __all__ = [
     "gather_ids",
 ]
 
-U64Array = npt.NDArray[np.uint64]
-I64Array = npt.NDArray[np.int64]
-
-_U64_LIMIT = 1 << 64
 _I64_MAX = (1 << 63) - 1
-
-
-@dataclass(frozen=True, slots=True, eq=False)
-class Descriptors:
-    """The descriptor arrays of one batched read (read-only ``uint64`` arrays, equal length).
-
-    ``component_counts`` gives, in output order, each component's name and how many
-    descriptors it contributed (zero included), so ``component_slice`` can cut the arrays
-    per component for metrics.
-    """
-
-    remote_addrs: U64Array
-    local_addrs: U64Array
-    lengths: U64Array
-    component_counts: tuple[tuple[str, int], ...]
-    # The exact sum of ``lengths``, once known (planning sets it from the kept lengths).
-    _total: int | None = field(default=None, init=False, repr=False, compare=False)
-
-    def __len__(self) -> int:
-        return int(self.lengths.shape[0])
-
-    @property
-    def total_bytes(self) -> int:
-        """Bytes the read moves (sum of the lengths), exact."""
-        if self._total is None:
-            object.__setattr__(self, "_total", _exact_sum(self.lengths))
-        assert self._total is not None
-        return self._total
-
-    def component_slice(self, name: str) -> slice:
-        """The slice of the arrays holding component ``name``'s descriptors."""
-        start = 0
-        for comp, count in self.component_counts:
-            if comp == name:
-                return slice(start, start + count)
-            start += count
-        raise KeyError(name)
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -148,21 +113,6 @@ class BlockIds:
         object.__setattr__(self, "counts", counts)
 
 
-def _exact_sum(lengths: U64Array) -> int:
-    """The exact sum of uint64 ``lengths``."""
-    n = lengths.shape[0]
-    if not n:
-        return 0
-    # A uint64 sum cannot wrap when n times the largest length fits: two passes, the usual
-    # case. Otherwise the 32-bit halves are summed apart, which cannot wrap (for fewer than
-    # 2**32 descriptors).
-    if int(lengths.max()) * n < _U64_LIMIT:
-        return int(lengths.sum(dtype=np.uint64))
-    lo = int((lengths & np.uint64(0xFFFFFFFF)).sum(dtype=np.uint64))
-    hi = int((lengths >> np.uint64(32)).sum(dtype=np.uint64))
-    return (hi << 32) + lo
-
-
 class _Scratch(threading.local):
     """Per-thread work buffers reused from one plan to the next.
 
@@ -175,7 +125,7 @@ class _Scratch(threading.local):
     def __init__(self) -> None:
         self.buffers: dict[str, npt.NDArray[Any]] = {}
         # id key -> (the id sequences, their runs); see build_descriptors
-        self.runs: OrderedDict[tuple[object, ...], tuple[list[Sequence[int]], _Runs, int]] = (
+        self.runs: OrderedDict[tuple[object, ...], tuple[list[Sequence[int]], Runs, int]] = (
             OrderedDict()
         )
 
@@ -203,8 +153,8 @@ _SCRATCH_MAX_ITEMS = 1 << 21
 # Id sets whose runs each thread keeps (several Prefill peers may interleave), and the
 # bytes they may hold in all: their arrays, their scaled tables and the Prefill ids they
 # keep alive (an int and its slot each, at most 40 B: see _kept_bytes). A plan at the
-# wire's limit (MAX_BLOCK_IDS_PER_READINESS ids, 2^19 descriptors) keeps about 28 MB, so
-# it is planned and not kept; a 64 x 256 message keeps about 1.4 MB.
+# wire's limit (MAX_BLOCK_IDS_PER_READINESS ids, 2^19 descriptors) would hold more than
+# the budget, so it is planned and not kept; a design-size message fits several times.
 _RUNS_KEPT = 8
 _RUNS_KEPT_BYTES = 24 << 20
 _scratch = _Scratch()
@@ -231,9 +181,10 @@ def _pack(seqs: list[Sequence[int]], out: I64Array) -> None:
 
     No Python work per id: numpy arrays are concatenated; ranges (contiguous destinations)
     are written all together by one cumulative sum, whatever their number; other sequences
-    are packed by struct in C (about twice as fast as ``np.fromiter``; unboxing the Python
-    ints is the floor either way), and a sequence met again in the same call (one object
-    serving main and indexer) is copied from its first packing instead.
+    are packed by struct in C (faster than ``np.fromiter``; unboxing the Python ints is
+    the floor either way; see benchmarks/bench_planning.py), and a sequence met again in
+    the same call (one object serving main and indexer) is copied from its first packing
+    instead.
     """
     if not out.shape[0]:
         return
@@ -370,67 +321,7 @@ def _runs(src: I64Array, dst: I64Array, counts: I64Array) -> tuple[I64Array, U64
     return starts, blocks
 
 
-def _check_fits(comp: ComponentAddrs, max_src: int, max_dst: int) -> None:
-    """Refuse a component whose blocks have no length or whose addresses pass 2**64.
-
-    ``max_src``/``max_dst`` are the group's largest ids (-1 when it has none).
-    """
-    if comp.block_bytes <= 0:
-        raise LocalProtocolError(
-            f"component {comp.name}: block_bytes must be > 0, found {comp.block_bytes}",
-            ErrorCode.OUT_OF_RANGE,
-        )
-    for side, base, top in (("src", comp.src_base, max_src), ("dst", comp.dst_base, max_dst)):
-        if base < 0 or base >= _U64_LIMIT:
-            raise LocalProtocolError(
-                f"component {comp.name}: {side}_base {base} is not a uint64",
-                ErrorCode.OUT_OF_RANGE,
-            )
-        if base + (top + 1) * comp.block_bytes > _U64_LIMIT:
-            raise LocalProtocolError(
-                f"component {comp.name}: {side} block {top} of {comp.block_bytes} B "
-                f"from base {base:#x} ends beyond the 64-bit address space",
-                ErrorCode.OUT_OF_RANGE,
-            )
-
-
-@functools.lru_cache(maxsize=1024)
-def _columns(comps: tuple[ComponentAddrs, ...]) -> tuple[U64Array, U64Array]:
-    """The block sizes of ``comps`` as a uint64 column ``(components, 1)``, and their src
-    and dst bases as a ``(2, components, 1)`` block (src first).
-
-    Cached: a layer's components are the same values message after message, and building
-    tiny arrays is a noticeable part of planning a small message.
-    """
-    sizes = np.array([c.block_bytes for c in comps], dtype=np.uint64).reshape(-1, 1)
-    bases = np.array(
-        [[c.src_base for c in comps], [c.dst_base for c in comps]], dtype=np.uint64
-    ).reshape(2, -1, 1)
-    sizes.flags.writeable = bases.flags.writeable = False
-    return sizes, bases
-
-
-@dataclass(frozen=True, slots=True, eq=False)
-class _Runs:
-    """Everything planning derives from the ids alone (no address): kept between reads of
-    the same ids (see :func:`build_descriptors`), so arrays are fresh and read-only.
-
-    ``tops`` holds each group's largest src and dst id (-1 without ids), ``cuts`` where
-    each group's runs start and end in the run arrays, ``blocks`` each run's length in
-    blocks and ``run_src``/``run_dst`` its first ids. ``scaled`` keeps, per set of block
-    sizes, what the descriptors of every layer with those sizes share and the exact sum
-    of their lengths (see :func:`_scaled`).
-    """
-
-    tops: tuple[tuple[int, int], ...]
-    cuts: tuple[int, ...]
-    blocks: U64Array
-    run_src: U64Array
-    run_dst: U64Array
-    scaled: dict[tuple[tuple[int, ...], ...], tuple[U64Array, int]] = field(default_factory=dict)
-
-
-def _id_runs(sizes: Sequence[int], ids: I64Array, counts: I64Array) -> _Runs:
+def _id_runs(sizes: Sequence[int], ids: I64Array, counts: I64Array) -> Runs:
     """The runs of ``sizes`` id groups (id count per group, in output order).
 
     ``ids`` holds every group's src ids one after another, then every group's dst ids in
@@ -454,7 +345,7 @@ def _id_runs(sizes: Sequence[int], ids: I64Array, counts: I64Array) -> _Runs:
         starts, blocks = _runs(src, dst, counts)
         # Which runs belong to which group: runs are in id order and never straddle groups.
         cuts = tuple(np.searchsorted(starts, offsets).tolist())
-        # Kept arrays, so not scratch: one allocation for the three (see _descriptors).
+        # Kept arrays, so not scratch: one allocation for the three (see descriptors_of_runs).
         run_src, run_dst, kept = np.empty((3, starts.shape[0]), dtype=np.uint64)
         np.take(src, starts, out=run_src.view(np.int64), mode="clip")  # starts are in range
         np.take(dst, starts, out=run_dst.view(np.int64), mode="clip")
@@ -465,81 +356,7 @@ def _id_runs(sizes: Sequence[int], ids: I64Array, counts: I64Array) -> _Runs:
         run_src = run_dst = blocks = np.zeros(0, dtype=np.uint64)
     for arr in (blocks, run_src, run_dst):
         arr.flags.writeable = False
-    return _Runs(tuple(tops), cuts, blocks, run_src, run_dst)
-
-
-# Block-size sets whose scaled runs one _Runs keeps (the layers of a model share a few).
-_SCALED_KEPT = 4
-
-
-def _scaled(comps_of: Sequence[Sequence[ComponentAddrs]], runs: _Runs) -> tuple[U64Array, int]:
-    """The descriptors of ``runs`` without the bases: a read-only ``(3, total)`` block of
-    run src ids, run dst ids and run lengths, each times its component's block size, in
-    output order; and the exact sum of the lengths (the last row).
-
-    Every layer with the same block sizes shares it (layers differ in bases only), so it
-    is kept in ``runs``: a later layer adds its bases in one pass per address array
-    instead of a uint64 multiply and an add. No wrap: the callers' ``_check_fits``
-    bounded ``base + (top + 1) * block_bytes`` by 2**64 for the largest id.
-    """
-    key = tuple(tuple(c.block_bytes for c in comps) for comps in comps_of)
-    kept = runs.scaled.get(key)
-    if kept is not None:
-        return kept
-    cuts = runs.cuts
-    total = sum(len(comps) * (cuts[g + 1] - cuts[g]) for g, comps in enumerate(comps_of))
-    table = np.empty((3, total), dtype=np.uint64)
-    at = 0
-    for g, comps in enumerate(comps_of):
-        lo, hi = cuts[g], cuts[g + 1]
-        if hi == lo:
-            continue
-        # All components of the group in one broadcast: a (components, runs) view of the
-        # table, rows = components.
-        size = _columns(tuple(comps))[0]
-        span = slice(at, at + len(comps) * (hi - lo))
-        at = span.stop
-        for row, per_run in enumerate((runs.run_src, runs.run_dst, runs.blocks)):
-            np.multiply(per_run[lo:hi], size, out=table[row, span].reshape(len(comps), hi - lo))
-    table.flags.writeable = False
-    if len(runs.scaled) >= _SCALED_KEPT:
-        runs.scaled.clear()
-    kept = runs.scaled[key] = (table, _exact_sum(table[2]))
-    return kept
-
-
-def _descriptors(comps_of: Sequence[Sequence[ComponentAddrs]], runs: _Runs) -> Descriptors:
-    """The descriptors of ``runs`` for each group's components (``comps_of``, in order)."""
-    for comps, (top_src, top_dst) in zip(comps_of, runs.tops, strict=True):
-        for comp in comps:
-            _check_fits(comp, top_src, top_dst)
-    table, total = _scaled(comps_of, runs)
-    # One allocation for the two address arrays (rows of one block): each of this size
-    # costs page faults on every read, as malloc hands such blocks back to the OS. The
-    # lengths are the kept row itself (read-only, the same for every layer).
-    out = np.empty((2, table.shape[1]), dtype=np.uint64)
-    cuts = runs.cuts
-    counts_out: list[tuple[str, int]] = []
-    at = 0
-    for g, comps in enumerate(comps_of):
-        k_g = cuts[g + 1] - cuts[g]
-        for comp in comps:
-            counts_out.append((comp.name, k_g))
-        if not k_g:
-            continue
-        bases = _columns(tuple(comps))[1]
-        span = slice(at, at + len(comps) * k_g)
-        at = span.stop
-        # Both address rows at once: a (side, components, runs) view, bases broadcast.
-        shape = (2, len(comps), k_g)
-        np.add(table[:2, span].reshape(shape), bases, out=out[:, span].reshape(shape))
-    # Read-only, the block and so its rows: backends get views of these, nobody should
-    # patch a planned read.
-    out.flags.writeable = False
-    remote, local = out
-    desc = Descriptors(remote, local, table[2], tuple(counts_out))
-    object.__setattr__(desc, "_total", total)
-    return desc
+    return Runs(tuple(tops), cuts, blocks, run_src, run_dst)
 
 
 def descriptors_from_ids(
@@ -564,7 +381,7 @@ def descriptors_from_ids(
     else:
         counts = np.zeros(0, dtype=np.int64)
     runs = _id_runs([ids.src.shape[0] for _, ids in used], buf, counts)
-    return _descriptors([c for c, _ in used], runs)
+    return descriptors_of_runs([c for c, _ in used], runs)
 
 
 _KEYED_KINDS: frozenset[type] = frozenset((tuple, range))
@@ -615,7 +432,7 @@ def build_descriptors(plan: ReadPlan) -> Descriptors:
         hit = cache.get(key)
         if hit is not None:
             cache.move_to_end(key)
-            desc = _descriptors(comps_of, hit[1])  # (it may keep another scaled table)
+            desc = descriptors_of_runs(comps_of, hit[1])  # (it may keep another scaled table)
             _trim_kept(cache)
             return desc
     per_group = len(plan.requests)
@@ -634,14 +451,14 @@ def build_descriptors(plan: ReadPlan) -> Descriptors:
     _pack(dsts, buf[n:])
     all_counts = np.concatenate(counts) if counts else np.zeros(0, dtype=np.int64)
     runs = _id_runs(sizes, buf, all_counts)
-    desc = _descriptors(comps_of, runs)
+    desc = descriptors_of_runs(comps_of, runs)
     if key is not None:
         cache[key] = (seqs, runs, n)  # the tuples stay alive while kept
         _trim_kept(cache)
     return desc
 
 
-def _kept_bytes(runs: _Runs, ids: int) -> int:
+def _kept_bytes(runs: Runs, ids: int) -> int:
     """Bytes one kept id set holds: its run arrays, its scaled tables and ``ids`` Prefill
     ids kept alive (an int object of at most 32 B and an 8 B slot each: an upper bound)."""
     held = runs.blocks.nbytes + runs.run_src.nbytes + runs.run_dst.nbytes + 40 * ids
@@ -649,7 +466,7 @@ def _kept_bytes(runs: _Runs, ids: int) -> int:
 
 
 def _trim_kept(
-    cache: OrderedDict[tuple[object, ...], tuple[list[Sequence[int]], _Runs, int]],
+    cache: OrderedDict[tuple[object, ...], tuple[list[Sequence[int]], Runs, int]],
 ) -> None:
     """Forget the least recently used id sets beyond ``_RUNS_KEPT`` of them or
     ``_RUNS_KEPT_BYTES`` in all (the newest too, when it alone is over)."""
