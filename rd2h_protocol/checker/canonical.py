@@ -40,37 +40,12 @@ and after).
 
 Symmetry reduction
 ------------------
-Requests of the same engine with the same chunks (and both or neither allocated late on
-Decode) are interchangeable: the model treats them alike (the endpoints and the world use
-request ids as names only; they compare block ids only with bounds that every id of the
-model meets and look at a request's own ids only for contiguity, and the ids of every
-request are laid out alike: ascending on Prefill, descending on Decode), so a state ``s`` and the
-state ``pi(s)`` in which such requests swap names (and block ``j`` of one becomes block
-``j`` of the other) have the same futures up to that renaming, and ``pi(s)`` breaks an
-invariant iff ``s`` does (the invariants name no particular request; the initial state
-registers them in order, which the canonical form already disregards as dict order).
-Exploring one state per orbit therefore reaches a state that breaks an invariant iff the
-full exploration does. The fingerprint is the least hash of the canonical forms under
-every permutation of each class (:func:`fingerprint`): equal fingerprints mean forms that
-are equal up to a renaming, i.e. the same orbit. For the renaming to reach every
-occurrence, the canonical form writes structs, readiness frames and the packed entries
-of a parked readiness as data (not as encoded bytes), every text that could embed an id
-is already left out of it, and block ids live in ranges of their own
-(``FIRST_PREFILL_BLOCK``...) above every other number a state holds (seqs and uids grow
-by a few per step; the explorer asserts its depth stays far below), so an int is renamed
-only if it is a block id. The cost is one canonical
-form per permutation (two for two requests).
-
-It is off by default (``--symmetry`` turns it on; ``--compare-reduction`` measures both
-ways in one run) because on these configurations it does not pay: the requests travel
-together in the same batches, whose lists keep registration order (r0 before r1), so the
-mirror of a reachable state is rarely itself reachable, and the merge happens only where a
-fault treats the requests differently before they share a batch. Measured on a loaded
-2-core machine: ``tp2-d1`` and ``tp2-d2`` (with a lost readiness only) 1.00x fewer states
-for 1.4x the CPU time; ``faults``, ``reopen`` and ``no-abort`` 1.19x to 1.24x fewer states
-(8356 against 9940, 8762 against 10717, 9773 against 12101) for 1.2x the CPU time. Sorting the
-requests inside a batch in the canonical form would merge more, but would need the
-endpoints to be provably insensitive to that order, which they are not written to be.
+Requests that the model treats alike may swap names (and block ids): with ``symmetry``,
+:func:`fingerprint` takes the least hash of the canonical forms under every such
+renaming. The renamings and the argument that the reduction keeps every violation are
+in :mod:`~rd2h_protocol.checker.symmetry`. For a renaming to reach every occurrence, the
+canonical form writes structs, readiness frames and the packed entries of a parked
+readiness as data while one is applied (``_STRUCTS_AS_DATA``, ``_RENAME``).
 
 Duplicates made on delivery
 ---------------------------
@@ -91,10 +66,8 @@ delivery itself: the reduced ``dup`` reaches the same state. What it leaves unex
 a copy that overtakes a frame sent on its connection after the original was sent and
 before the original arrived (the copy then arrives between those two frames); the copy
 of a reply or an ABORT always arrives after every frame sent before its original was
-delivered. Measured with ``--compare-reduction duplicates`` (each line one run, loaded
-2-core machine): ``faults --budget dup=1`` 31 172 states against 49 494 (x1.59, CPU time
-x1.29), ``reconnect+dup`` 12 765 against 20 396 (x1.60, CPU x1.57), ``handshake+dup``
-11 079 against 13 016 (x1.17, CPU x1.14).
+delivered. ``--compare-reduction duplicates`` prints the states and CPU time with and
+without it for a configuration.
 
 Partial-order reduction
 -----------------------
@@ -114,18 +87,18 @@ almost everywhere in this model:
 * a kill or a break left in a budget is enabled in every state and depends on every
   action.
 
-Measured on the first 800 states of ``tp2-d2`` (every pair of enabled actions taken in
-both orders, each classified by its footprints, see
-:mod:`~rd2h_protocol.checker.footprint`): 3 596 pairs independent, 763 where one
-disables the other (a delivery and a loss of the same frame, two timers), 206 with
-time or a fault that hits everything, 531 that commute although their footprints
-overlap (mostly a delivery to a Prefill rank and that rank's next write, which read and
-write the same producer), 135 that do not commute.
+Classifying every pair of enabled actions over the first states of ``tp2-d2`` (each
+pair taken in both orders, classified by its footprints, see
+:mod:`~rd2h_protocol.checker.footprint`) bears this out: besides the independent pairs
+(which sleep sets already use) there are pairs where one disables the other (a delivery
+and a loss of the same frame, two timers), pairs with time or a fault that hits
+everything, pairs that commute although their footprints overlap (mostly a delivery to a
+Prefill rank and that rank's next write, which read and write the same producer), and
+pairs that do not commute.
 """
 
 from __future__ import annotations
 
-import itertools
 import operator
 from collections import deque
 from collections.abc import Callable
@@ -135,6 +108,7 @@ import msgspec
 
 from rd2h_protocol.checker.model import CLAIM_KINDS, Frame
 from rd2h_protocol.checker.snapshot import _connection_of, _share
+from rd2h_protocol.checker.symmetry import renamings
 from rd2h_protocol.checker.world import World
 from rd2h_protocol.claim import decode_claim, decode_claim_answer
 from rd2h_protocol.consumer import ConsumerEndpoint
@@ -562,7 +536,7 @@ def fingerprint(world: World, *, symmetry: bool = False) -> int:
     _BUILT_FORMS.clear()  # ids of this world's endpoints only
     static = world.static
     if static.renamings is None:
-        static.renamings = _renamings(world)
+        static.renamings = renamings(world)
     if not symmetry or len(static.renamings) == 1:
         return hash(_canon(world))
     assert not _KNOWN_FORMS, "inherited forms are written without a renaming"
@@ -620,34 +594,3 @@ def read_form(world: World, key: tuple[int, int, int]) -> _Canon:
     it), equal in every state that the fingerprint merges."""
     _NOW[0] = world.now
     return (key[:2], _canon(world.reads[key]))
-
-
-def _renamings(world: World) -> list[dict[object, object]]:
-    """Every permutation of the interchangeable requests (same engine, same chunks, both
-    allocated late on Decode or neither) as a renaming of their ids and of their block ids
-    (block ``j`` of a request to block ``j`` of its image); the identity first, as ``{}``."""
-    cfg = world.cfg
-    classes: dict[tuple[object, ...], list[str]] = {}
-    for spec in cfg.requests:
-        key = (
-            spec.engine,
-            spec.chunks,
-            spec.ext_id in cfg.late_decode,
-            spec.ext_id in cfg.prefill_first,
-        )
-        classes.setdefault(key, []).append(spec.ext_id)
-    groups = [ids for ids in classes.values() if len(ids) > 1]
-    renamings: list[dict[object, object]] = []
-    for images in itertools.product(*(itertools.permutations(ids) for ids in groups)):
-        renaming: dict[object, object] = {}
-        for ids, image in zip(groups, images, strict=True):
-            for src, dst in zip(ids, image, strict=True):
-                if src != dst:
-                    a, b = world.reqs[src], world.reqs[dst]
-                    renaming[src] = dst
-                    for blocks, to in ((a.pmain, b.pmain), (a.pidx, b.pidx)):
-                        renaming.update(zip(blocks, to, strict=True))
-                    for blocks, to in ((a.dmain, b.dmain), (a.didx, b.didx)):
-                        renaming.update(zip(blocks, to, strict=True))
-        renamings.append(renaming)
-    return renamings
