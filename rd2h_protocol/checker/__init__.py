@@ -34,12 +34,14 @@ The modules, in the order they build on each other:
   and when two actions commute (for the explorer's sleep sets and inherited forms);
 * :mod:`~rd2h_protocol.checker.world`: :class:`~rd2h_protocol.checker.world.World`,
   the endpoints wired to a simulated network, memory and runtime, built in layers:
-  :mod:`~rd2h_protocol.checker.core` (state, endpoints, outputs and their checks),
+  :mod:`~rd2h_protocol.checker.state` (state, endpoints),
+  :mod:`~rd2h_protocol.checker.core` (requests, outputs and their checks),
   :mod:`~rd2h_protocol.checker.network`, :mod:`~rd2h_protocol.checker.memory` (the
   memory model and reads), :mod:`~rd2h_protocol.checker.clock` (timers and time), then
   :mod:`~rd2h_protocol.checker.world` itself (faults, the fair scheduler, the actions);
 * :mod:`~rd2h_protocol.checker.canonical`: state fingerprints, and the reductions they
-  apply (with the argument why each is sound);
+  apply (with the argument why each is sound; symmetry's in
+  :mod:`~rd2h_protocol.checker.symmetry`);
 * :mod:`~rd2h_protocol.checker.configs`: the explored configurations and their budgets;
 * :mod:`~rd2h_protocol.checker.explore`: the search, with its partial-order reduction;
 * :mod:`~rd2h_protocol.checker.cli`: ``python -m rd2h_protocol.checker``;

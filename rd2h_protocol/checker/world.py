@@ -37,9 +37,11 @@ Layers
 ------
 :class:`World` is built in layers, one module each, every layer using the ones below it:
 
+* :class:`~rd2h_protocol.checker.state.WorldState` (:mod:`~rd2h_protocol.checker.state`):
+  the state, and the endpoints and their configurations built;
 * :class:`~rd2h_protocol.checker.core.WorldCore` (:mod:`~rd2h_protocol.checker.core`):
-  the state, the endpoints, requests, the Prefill compute path, the outputs and their
-  checks, the state invariants;
+  requests, the Prefill compute path, the outputs and their checks, the state
+  invariants;
 * :class:`~rd2h_protocol.checker.network.NetworkWorld`: delivering, losing and
   duplicating frames, breaking connections;
 * :class:`~rd2h_protocol.checker.memory.MemoryWorld`: running reads against the memory
@@ -48,7 +50,7 @@ Layers
 * :class:`World` (here): faults that kill endpoints, the fair scheduler, the actions the
   explorer takes, snapshots.
 
-They share one state (the attributes ``WorldCore.__init__`` sets), which the snapshot
+They share one state (the attributes ``WorldState.__init__`` sets), which the snapshot
 pickles as one object and the canonical form reads by attribute name
 (:mod:`~rd2h_protocol.checker.canonical`); only :class:`World` is meant to be built.
 """
