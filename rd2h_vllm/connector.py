@@ -64,9 +64,10 @@ from rd2h_runtime.transfer import TransferBackend, create_backend
 from rd2h_vllm.config import Rd2hConfig, from_vllm_config
 from rd2h_vllm.destinations import DestinationProvider, VllmCacheDestinations, device_events
 from rd2h_vllm.kv_layout import check_layer_compact
+from rd2h_vllm.metadata import CacheGroups, Rd2hConnectorMetadata
 from rd2h_vllm.metaserver import RendezvousPoster
 from rd2h_vllm.metrics import Rd2hKVConnectorStats, Rd2hMetricsMixin
-from rd2h_vllm.scheduler import CacheGroups, Rd2hConnectorMetadata, SchedulerSide
+from rd2h_vllm.scheduler import SchedulerSide
 from rd2h_vllm.worker import (
     DecodeSide,
     PrefillSide,

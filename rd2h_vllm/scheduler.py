@@ -1,6 +1,7 @@
 """The scheduler side of the connector: per-request bookkeeping and the worker metadata.
 
-Over 600 lines: one SchedulerSide follows vLLM's scheduler hooks in their call order.
+Each step's metadata is made of the types in :mod:`rd2h_vllm.metadata` (with the
+worker-side contract); the rendezvous posting seam is :mod:`rd2h_vllm.rendezvous_posts`.
 
 Theory of operation
 -------------------
@@ -59,18 +60,6 @@ on its load timeout. ``request_finished`` keeps the blocks of a request that pub
 anything until the workers list it in ``finished_sending`` (every Decode read of it is
 over), because vLLM may hand freed blocks to another request (and zero them) before the
 next forward pass.
-
-The worker-side contract (for ``SfaRemoteD2HConnector``'s worker half):
-
-* Decode: for every :class:`LoadSpec` create the consumer endpoint's request; report the
-  request in ``finished_recving`` exactly once, when it completed or failed on this rank
-  and no read of it is in flight; failed ones' main and indexer blocks go to
-  ``get_block_ids_with_load_errors``. Requests in ``load_failures`` and requests in
-  ``finished_req_ids`` (aborted) fail / abort the same way.
-* Prefill: publish :class:`SendSpec` chunks; abort every :class:`SendAbort` toward its
-  Decode; report the request in ``finished_sending`` exactly once, after vLLM listed it
-  in ``finished_req_ids`` and no Decode read of it can happen any more
-  (``RequestFinished`` from the producer endpoint, or never published).
 """
 
 from __future__ import annotations
@@ -80,11 +69,8 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
-
-import msgspec
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from rd2h_protocol.claim import (
     CLAIM_VERSION,
@@ -106,8 +92,19 @@ from rd2h_protocol.rendezvous import (
 from rd2h_protocol.topology import external_request_id
 from rd2h_runtime.trace import open_marks
 from rd2h_vllm.config import Rd2hConfig
-from rd2h_vllm.metaserver import MetaserverError, PostResult
+from rd2h_vllm.metadata import (
+    CacheGroups,
+    DecodeTarget,
+    LoadFailure,
+    LoadSpec,
+    Rd2hConnectorMetadata,
+    SendAbort,
+    SendSpec,
+    decode_target,
+)
+from rd2h_vllm.metaserver import PostResult
 from rd2h_vllm.metrics import Rd2hKVConnectorStats
+from rd2h_vllm.rendezvous_posts import Poster, QueuedPost, post_failure
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -119,188 +116,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-# -- metadata (scheduler -> every worker) ---------------------------------------------------
-
-
-class LoadSpec(msgspec.Struct, frozen=True, kw_only=True):
-    """Decode: where one request's remote KV goes, in logical block order.
-
-    ``main_block_ids`` / ``indexer_block_ids`` are the request's FULL block lists of the
-    main and indexer KV-cache groups (a chunk's start offsets index into them);
-    ``indexer_block_ids`` is None for a model without an indexer. ``local_tokens`` are
-    prompt tokens Decode already holds (its prefix-cache hit, posted as
-    ``remote_cached_tokens``); ``num_tokens`` are the tokens to receive. ``source`` names
-    the Prefill that keeps the KV in the Prefill-first flow (the worker claims it there;
-    ``ext_id`` is then the request's id on that Prefill); None in the Decode-first flow.
-    """
-
-    req_id: str
-    ext_id: str
-    main_block_ids: list[int]
-    indexer_block_ids: list[int] | None
-    local_tokens: int
-    num_tokens: int
-    source: KeptSource | None = None
-
-
-class LoadFailure(msgspec.Struct, frozen=True, kw_only=True):
-    """Decode: a request that can no longer receive its KV (its rendezvous failed)."""
-
-    req_id: str
-    ext_id: str
-    code: int
-    message: str
-
-
-class DecodeTarget(msgspec.Struct, frozen=True, kw_only=True):
-    """Prefill: the Decode engine a request's KV goes to (from its rendezvous)."""
-
-    engine_id: str
-    host: str
-    base_port: int
-    tp_size: int
-
-
-class SendAbort(msgspec.Struct, frozen=True, kw_only=True):
-    """Prefill: a prompt-list child whose KV will never be sent, to abort toward Decode.
-
-    Its own rendezvous is missing from (or unusable in) the prompt list's batch map, so
-    its Decode destinations are unknown; ``target`` is the Decode engine of the list's
-    top-level rendezvous (child 0's: every child of a prompt list runs on that Decode).
-    ``message`` says why, for the log.
-    """
-
-    req_id: str
-    ext_id: str
-    target: DecodeTarget
-    message: str
-
-
-class SendSpec(msgspec.Struct, frozen=True, kw_only=True):
-    """Prefill: one step of one request (chunk bookkeeping for ``chunk_block_range``).
-
-    ``remote_cached_tokens``: held by Decode already; ``transferred_tokens``: published
-    by earlier steps (rounded down to the smallest block size); ``computed_tokens``:
-    computed once this step has run; ``final``: this step finishes the prompt (its
-    partial last block goes too and the request's done signal follows the last layer).
-    ``target`` None: a Prefill-first request (no Decode yet): nothing is published while
-    it computes, and its final step's blocks are kept for the Decode that claims them.
-    """
-
-    req_id: str
-    ext_id: str
-    target: DecodeTarget | None
-    remote_cached_tokens: int
-    transferred_tokens: int
-    computed_tokens: int
-    final: bool
-    main_block_ids: list[int]
-    indexer_block_ids: list[int] | None
-
-
-@dataclass
-class Rd2hConnectorMetadata(KVConnectorMetadata):
-    """What one scheduler step tells every worker (picklable plain data)."""
-
-    loads: list[LoadSpec] = field(default_factory=list)
-    load_failures: list[LoadFailure] = field(default_factory=list)
-    sends: list[SendSpec] = field(default_factory=list)
-    send_aborts: list[SendAbort] = field(default_factory=list)
-
-    def is_empty(self) -> bool:
-        return not (self.loads or self.load_failures or self.sends or self.send_aborts)
-
-
-# -- KV-cache groups --------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class CacheGroups:
-    """Which vLLM KV-cache group holds the main KV and which the indexer.
-
-    A uniform model has one group for both (main and indexer ids are then the same
-    list); a model without indexer layers has ``indexer`` None. ``block_sizes`` are the
-    groups' block sizes in group order.
-    """
-
-    main: int
-    indexer: int | None
-    block_sizes: tuple[int, ...]
-
-    @classmethod
-    def from_kv_cache_config(cls, kv_cache_config: KVCacheConfig) -> CacheGroups:
-        main: int | None = None
-        indexer: int | None = None
-        for index, group in enumerate(kv_cache_config.kv_cache_groups):
-            names = group.layer_names
-            if indexer is None and any("indexer" in name for name in names):
-                indexer = index
-            if main is None and any("indexer" not in name for name in names):
-                main = index
-        if main is None:
-            raise ConfigError("no KV-cache group holds a main (non-indexer) attention layer")
-        sizes = tuple(g.kv_cache_spec.block_size for g in kv_cache_config.kv_cache_groups)
-        return cls(main=main, indexer=indexer, block_sizes=sizes)
-
-    @property
-    def smallest_block_size(self) -> int:
-        return min(self.block_sizes)
-
-    def split(self, block_ids: Sequence[Sequence[int]]) -> tuple[list[int], list[int] | None]:
-        """(main ids, indexer ids or None) from vLLM's per-group block id lists."""
-        main = list(block_ids[self.main])
-        return main, None if self.indexer is None else list(block_ids[self.indexer])
-
-
 # -- the scheduler side ---------------------------------------------------------------------
-
-
-def _decode_target(rendezvous: Rendezvous) -> DecodeTarget:
-    """The Decode engine a rendezvous names."""
-    return DecodeTarget(
-        engine_id=rendezvous.remote_engine_id,
-        host=rendezvous.remote_host,
-        base_port=rendezvous.remote_port,
-        tp_size=rendezvous.remote_tp_size,
-    )
-
-
-def _post_failure(
-    req_id: str, ext_id: str, future: concurrent.futures.Future[PostResult]
-) -> LoadFailure | None:
-    """The load failure a finished rendezvous post means, if any."""
-    if future.cancelled():
-        return LoadFailure(
-            req_id=req_id,
-            ext_id=ext_id,
-            code=int(ErrorCode.ABORTED),
-            message="rendezvous post cancelled (connector shutting down)",
-        )
-    exc = future.exception()
-    if exc is None:
-        return None
-    code = exc.code if isinstance(exc, MetaserverError) else ErrorCode.UNKNOWN
-    return LoadFailure(req_id=req_id, ext_id=ext_id, code=int(code), message=str(exc))
-
-
-class Poster(Protocol):
-    """What posts a rendezvous without blocking (``RendezvousPoster`` in production)."""
-
-    def post(
-        self, url: str, rendezvous: Rendezvous, *, idempotent: bool = False
-    ) -> concurrent.futures.Future[PostResult]:
-        """Start posting; the future raises ``MetaserverError`` on failure and cancelling
-        it cancels the post."""
-
-
-@dataclass(frozen=True, slots=True)
-class _QueuedPost:
-    """A rendezvous waiting for the end of the step to be posted."""
-
-    req_id: str
-    url: str
-    rendezvous: Rendezvous
-    idempotent: bool
 
 
 @dataclass
@@ -347,7 +163,7 @@ class SchedulerSide:
         # Decode
         self._loading: dict[str, LoadSpec] = {}
         self._new_loads: list[LoadSpec] = []
-        self._to_post: list[_QueuedPost] = []
+        self._to_post: list[QueuedPost] = []
         # Shared with the poster's thread (its done callbacks): posts still pending by
         # req_id, and the failures they ended with.
         self._posts_lock = threading.Lock()
@@ -466,7 +282,7 @@ class SchedulerSide:
         # Posted even when nothing is to be loaded (a full local hit): the proxy waits for
         # every child's rendezvous before it dispatches the prompt to Prefill.
         self._to_post.append(
-            _QueuedPost(
+            QueuedPost(
                 req_id=req_id,
                 url=str(params[METASERVER_KEY]),
                 rendezvous=rendezvous,
@@ -576,7 +392,7 @@ class SchedulerSide:
         self._sending[req_id] = _SendState(
             request=request,
             ext_id=ext_id,
-            target=_decode_target(rendezvous),
+            target=decode_target(rendezvous),
             remote_cached_tokens=rendezvous.remote_cached_tokens,
         )
 
@@ -609,7 +425,7 @@ class SchedulerSide:
             SendAbort(
                 req_id=req_id,
                 ext_id=ext_id,
-                target=_decode_target(top_level),
+                target=decode_target(top_level),
                 message=error.message,
             )
         )
@@ -658,7 +474,7 @@ class SchedulerSide:
     ) -> Callable[[concurrent.futures.Future[PostResult]], None]:
         def done(future: concurrent.futures.Future[PostResult]) -> None:
             # Usually runs on the poster's thread: only hand the outcome over.
-            failure = _post_failure(req_id, ext_id, future)
+            failure = post_failure(req_id, ext_id, future)
             with self._posts_lock:
                 if self._posting.get(req_id) is not future:
                     return  # cancelled by request_finished: the request is over

@@ -17,7 +17,7 @@ order (vllm/v1/worker/kv_connector_model_runner_mixin.py)::
 Steps without scheduled tokens run the same sequence without the layer calls.
 
 :class:`PrefillSide` (kv_producer) binds one :class:`~rd2h_runtime.prefill.PrefillWorker`.
-Each step's :class:`~rd2h_vllm.scheduler.SendSpec` becomes a chunk
+Each step's :class:`~rd2h_vllm.metadata.SendSpec` becomes a chunk
 (:func:`~rd2h_protocol.topology.chunk_block_range` per KV-cache group) scheduled at
 ``bind`` time, i.e. before the first layer; ``wait_for_layer_load`` is the slot-reuse
 wait (the storage a layer is about to overwrite must no longer be read by any Decode);
@@ -28,15 +28,15 @@ step. A request is reported in ``finished_sending`` once vLLM finished it AND no
 read of it can happen any more (the endpoint's ``RequestFinished``, or it never
 reached the endpoint). A request vLLM finishes before its final chunk was scheduled
 (abort) is aborted toward Decode, and so is a prompt-list child the scheduler found no
-usable rendezvous for (:class:`~rd2h_vllm.scheduler.SendAbort`), once a publication has
+usable rendezvous for (:class:`~rd2h_vllm.metadata.SendAbort`), once a publication has
 opened the connection to its Decode (a v1 Decode cannot be told). Prefill never raises
 for a failed read of a request (``read_failure_policy="isolate"``); the failure is
 counted in the metrics.
 
 :class:`DecodeSide` (kv_consumer) binds one :class:`~rd2h_runtime.decode.DecodeWorker`
 whose destinations come from a :class:`~rd2h_vllm.destinations.DestinationProvider`.
-Each :class:`~rd2h_vllm.scheduler.LoadSpec` registers the request's destination blocks;
-a :class:`~rd2h_vllm.scheduler.LoadFailure` and a request vLLM finished while loading
+Each :class:`~rd2h_vllm.metadata.LoadSpec` registers the request's destination blocks;
+a :class:`~rd2h_vllm.metadata.LoadFailure` and a request vLLM finished while loading
 (``finished_req_ids``) abort it. Every step the rank's newly terminal requests are
 gathered over the TP CPU group and fed to
 :class:`~rd2h_protocol.completion.CrossRankCompletion` (every rank decides the same, with

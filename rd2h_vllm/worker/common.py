@@ -20,7 +20,7 @@ from rd2h_vllm.destinations import (
     match_indexer_caches,
 )
 from rd2h_vllm.kv_layout import cache_arrays, describe
-from rd2h_vllm.scheduler import CacheGroups
+from rd2h_vllm.metadata import CacheGroups
 
 if TYPE_CHECKING:
     from vllm.distributed.parallel_state import GroupCoordinator

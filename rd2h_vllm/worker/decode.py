@@ -26,6 +26,7 @@ from rd2h_vllm.config import Rd2hConfig
 from rd2h_vllm.destinations import (
     DestinationProvider,
 )
+from rd2h_vllm.metadata import CacheGroups, LoadSpec, Rd2hConnectorMetadata
 from rd2h_vllm.metrics import CounterDelta, Rd2hKVConnectorStats
 from rd2h_vllm.request_machines import (
     EFFECT_ABORT,
@@ -43,7 +44,6 @@ from rd2h_vllm.request_machines import (
     LOAD_RELEASED,
     VLLM_LOAD,
 )
-from rd2h_vllm.scheduler import CacheGroups, LoadSpec, Rd2hConnectorMetadata
 from rd2h_vllm.worker.common import (
     TpGroup,
 )

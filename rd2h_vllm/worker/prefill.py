@@ -50,8 +50,8 @@ from rd2h_vllm.request_machines import (
     SEND_VLLM_FINISHED,
     VLLM_SEND,
 )
-from rd2h_vllm.scheduler import CacheGroups, Rd2hConnectorMetadata, SendAbort, SendSpec
-from rd2h_vllm.scheduler import DecodeTarget as DecodeEngine
+from rd2h_vllm.metadata import CacheGroups, Rd2hConnectorMetadata, SendAbort, SendSpec
+from rd2h_vllm.metadata import DecodeTarget as DecodeEngine
 from rd2h_vllm.worker.common import (
     TpGroup,
     prefill_layouts,

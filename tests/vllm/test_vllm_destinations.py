@@ -45,7 +45,7 @@ from rd2h_vllm.destinations import (
     match_indexer_caches,
     tensor_destination,
 )
-from rd2h_vllm.scheduler import CacheGroups
+from rd2h_vllm.metadata import CacheGroups
 from rd2h_vllm.worker import SingleRank, prefill_layouts, split_kv_caches
 
 NUM_BLOCKS = 8

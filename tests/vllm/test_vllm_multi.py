@@ -32,8 +32,8 @@ from vllm_pd_harness import (
 
 from rd2h_protocol.rendezvous import Rendezvous
 from rd2h_vllm.connector import SfaRemoteD2HConnector
+from rd2h_vllm.metadata import Rd2hConnectorMetadata
 from rd2h_vllm.multi import Rd2hMultiConnector
-from rd2h_vllm.scheduler import Rd2hConnectorMetadata
 
 STORE = {
     "kv_connector": "FakeLayerwiseStore",

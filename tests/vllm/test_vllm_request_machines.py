@@ -16,6 +16,14 @@ from rd2h_runtime.control import ControlOptions
 from rd2h_runtime.transfer import create_backend
 from rd2h_vllm.config import Rd2hConfig, parse_config
 from rd2h_vllm.destinations import VllmCacheDestinations, device_events
+from rd2h_vllm.metadata import (
+    CacheGroups,
+    DecodeTarget,
+    LoadFailure,
+    LoadSpec,
+    Rd2hConnectorMetadata,
+    SendSpec,
+)
 from rd2h_vllm.request_machines import (
     L_LOCAL_ADD_FAILED,
     L_LOCAL_ADDED,
@@ -39,14 +47,6 @@ from rd2h_vllm.request_machines import (
     VLLM_LOAD,
     VLLM_MACHINES,
     VLLM_SEND,
-)
-from rd2h_vllm.scheduler import (
-    CacheGroups,
-    DecodeTarget,
-    LoadFailure,
-    LoadSpec,
-    Rd2hConnectorMetadata,
-    SendSpec,
 )
 from rd2h_vllm.worker import DecodeSide, PrefillSide, SingleRank, split_kv_caches
 from rd2h_vllm.worker import decode as decode_mod

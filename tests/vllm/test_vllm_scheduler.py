@@ -43,13 +43,8 @@ from rd2h_protocol.rendezvous import (
 )
 from rd2h_vllm.config import CONNECTOR_MODULE, CONNECTOR_NAME
 from rd2h_vllm.connector import SfaRemoteD2HConnector
-from rd2h_vllm.scheduler import (
-    CacheGroups,
-    LoadSpec,
-    Rd2hConnectorMetadata,
-    SchedulerSide,
-    SendSpec,
-)
+from rd2h_vllm.metadata import CacheGroups, LoadSpec, Rd2hConnectorMetadata, SendSpec
+from rd2h_vllm.scheduler import SchedulerSide
 
 LAYERS = list(MAIN)
 #: A quick metaserver client: failures show up within a test's patience.
