@@ -51,7 +51,9 @@ What each half tracks per request changes only by firing the ``vLLM send`` and `
 load`` machines declared in :mod:`rd2h_vllm.request_machines`, whose effects each half
 binds to its handlers.
 
-Modules: :mod:`~rd2h_vllm.worker.prefill` (:class:`PrefillSide`),
+Modules: :mod:`~rd2h_vllm.worker.prefill` (:class:`PrefillSide`, with
+:mod:`~rd2h_vllm.worker.prefill_requests`, what it keeps per request and the blocks a
+step sends, and :mod:`~rd2h_vllm.worker.publisher`, its ordered compute-path calls),
 :mod:`~rd2h_vllm.worker.decode` (:class:`DecodeSide`) and :mod:`~rd2h_vllm.worker.common`
 (the TP group, reading vLLM's KV caches into layouts).
 """

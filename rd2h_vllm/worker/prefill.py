@@ -1,13 +1,18 @@
-"""The Prefill half of the worker-side connector (kv_producer); see :mod:`rd2h_vllm.worker`."""
+"""The Prefill half of the worker-side connector (kv_producer); see :mod:`rd2h_vllm.worker`.
+
+:class:`PrefillSide` follows vLLM's worker hooks and the ``vLLM send`` machine per
+request. What it keeps per request and which blocks a step sends are plain data and pure
+functions in :mod:`rd2h_vllm.worker.prefill_requests`; the runner that keeps its calls
+into the Prefill worker in program order is :mod:`rd2h_vllm.worker.publisher`.
+"""
 
 from __future__ import annotations
 
 import functools
 import logging
-import queue
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Final
 
@@ -22,7 +27,7 @@ from rd2h_protocol.errors import (
 from rd2h_protocol.events import Chunk
 from rd2h_protocol.machines import NO_EFFECT, no_effect
 from rd2h_protocol.producer import DecodeTarget, ProducerConfig, RequestFinished
-from rd2h_protocol.topology import chunk_block_range, layer_number, wire_layer_indices
+from rd2h_protocol.topology import layer_number, wire_layer_indices
 from rd2h_runtime.claims import ClaimDoor
 from rd2h_runtime.control import ControlError, ControlOptions
 from rd2h_runtime.prefill import PrefillWorker
@@ -31,8 +36,8 @@ from rd2h_vllm.config import Rd2hConfig
 from rd2h_vllm.destinations import (
     DeviceEvents,
     LayerCaches,
-    ScatterEvent,
 )
+from rd2h_vllm.metadata import CacheGroups, Rd2hConnectorMetadata, SendSpec
 from rd2h_vllm.metrics import CounterDelta, Rd2hKVConnectorStats
 from rd2h_vllm.request_machines import (
     EFFECT_ABORT,
@@ -50,44 +55,19 @@ from rd2h_vllm.request_machines import (
     SEND_VLLM_FINISHED,
     VLLM_SEND,
 )
-from rd2h_vllm.metadata import CacheGroups, Rd2hConnectorMetadata, SendAbort, SendSpec
-from rd2h_vllm.metadata import DecodeTarget as DecodeEngine
 from rd2h_vllm.worker.common import (
     TpGroup,
     prefill_layouts,
 )
+from rd2h_vllm.worker.prefill_requests import (
+    KeptRequest,
+    PendingAbort,
+    endpoint_target,
+    request_chunk,
+)
+from rd2h_vllm.worker.publisher import Publisher
 
 logger = logging.getLogger(__name__)
-
-
-def _endpoint_target(engine: DecodeEngine) -> DecodeTarget:
-    """The producer endpoint's view of a Decode engine (host, base port, TP size)."""
-    return DecodeTarget(engine.host, engine.base_port, engine.tp_size)
-
-
-@dataclass(frozen=True, slots=True)
-class _PendingAbort:
-    """A prompt-list child to abort toward its Decode once a publication reached it."""
-
-    child: SendAbort
-    target: DecodeTarget
-    give_up_at: float  # Decode's load timeout has failed the child by then
-
-
-@dataclass(slots=True)
-class _Keep:
-    """A Prefill-first request: its final step's blocks, kept for the Decode that claims
-    them (see :meth:`PrefillSide.end_step` and :meth:`PrefillSide._on_claim`)."""
-
-    req_id: str
-    ext_id: str
-    main_block_ids: list[int]
-    indexer_block_ids: list[int] | None
-    num_tokens: int
-    kept: bool = False  # the endpoint keeps it
-    refusal: str = ""  # why the endpoint would not keep it
-    ended: bool = False  # the endpoint finished it (read, unclaimed) or never kept it
-    vllm_finished: bool = False  # vLLM listed it finished: its blocks wait for us
 
 
 @dataclass(slots=True)
@@ -97,72 +77,6 @@ class _Send:
     req_id: str
     ext_id: str
     state: str = SEND_NEW  # of VLLM_SEND, changed only by firing _SEND
-
-
-class _Publisher:
-    """Runs the compute path's calls into the Prefill worker in order.
-
-    A call runs inline when nothing is queued; a layer whose device event is not done yet
-    is queued behind it on a thread that waits for the event, and every later call queues
-    behind it too, so the endpoint sees chunks, layers and step ends in program order.
-    """
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._pending = 0
-        self._queue: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
-        self.errors: list[BaseException] = []
-
-    def run(self, fn: Callable[[], None], event: ScatterEvent | None = None) -> None:
-        with self._cond:
-            inline = self._pending == 0 and (event is None or event.query())
-            if not inline:
-                self._pending += 1
-        if inline:
-            fn()
-            return
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._loop, name="rd2h-publisher", daemon=True)
-            self._thread.start()
-
-        def job() -> None:
-            if event is not None:
-                event.synchronize()
-            fn()
-
-        self._queue.put(job)
-
-    def drain(self, timeout: float) -> bool:
-        """Wait until every queued call ran; False on timeout."""
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            while self._pending:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._cond.wait(left)
-        return True
-
-    def _loop(self) -> None:
-        while True:
-            job = self._queue.get()
-            if job is None:
-                return
-            try:
-                job()
-            except Exception as exc:  # never kill the thread that orders publications
-                logger.exception("RD2H publisher: a queued call raised")
-                self.errors.append(exc)
-            finally:
-                with self._cond:
-                    self._pending -= 1
-                    self._cond.notify_all()
-
-    def close(self) -> None:
-        if self._thread is not None:
-            self._queue.put(None)
-            self._thread.join(10.0)
 
 
 class PrefillSide:
@@ -201,17 +115,17 @@ class PrefillSide:
         # Decode engines a publication has gone to (their connection's handshake began),
         # and prompt-list children still waiting for one to abort toward theirs.
         self._contacted: set[DecodeTarget] = set()
-        self._pending_aborts: list[_PendingAbort] = []
+        self._pending_aborts: list[PendingAbort] = []
         self._step_active = False
         self._published: set[int] = set()
         self._top = -1
         self._gate_timeout_s = 2 * config.lease_ms / 1000.0 + 10.0
-        self._publisher = _Publisher()
+        self._publisher = Publisher()
         # Prefill-first: requests kept for their Decode's claim (the door's thread reads
         # them too: _keep_lock), and this step's to keep once its layers are written.
         self._keep_lock = threading.Lock()
-        self._keeps: dict[str, _Keep] = {}  # by external id
-        self._to_keep: list[_Keep] = []
+        self._keeps: dict[str, KeptRequest] = {}  # by external id
+        self._to_keep: list[KeptRequest] = []
         self.worker = PrefillWorker(
             ProducerConfig(
                 p_rank=tp.rank,
@@ -309,7 +223,7 @@ class PrefillSide:
             if send.target is None:
                 if send.final:  # computed in this step: kept once its layers are written
                     self._to_keep.append(
-                        _Keep(
+                        KeptRequest(
                             send.req_id,
                             send.ext_id,
                             send.main_block_ids,
@@ -328,12 +242,12 @@ class PrefillSide:
             _SEND.fire(self, state, event, send)
         give_up_at = time.monotonic() + self.config.kv_load_timeout_s
         for child in meta.send_aborts:
-            target = _endpoint_target(child.target)
-            self._pending_aborts.append(_PendingAbort(child, target, give_up_at))
+            target = endpoint_target(child.target)
+            self._pending_aborts.append(PendingAbort(child, target, give_up_at))
 
     def _register(self, send: SendSpec) -> _Send:
         assert send.target is not None  # a Prefill-first send is kept instead (bind)
-        target = _endpoint_target(send.target)
+        target = endpoint_target(send.target)
         registered = True
         try:
             if send.ext_id in self._by_ext:
@@ -357,7 +271,8 @@ class PrefillSide:
     def _fx_schedule(self, state: _Send, send: SendSpec) -> None:
         """Schedule the chunk ``send`` carries in the endpoint (:data:`VLLM_SEND`'s effect)."""
         try:
-            chunk = self._chunk(
+            chunk = request_chunk(
+                self.groups,
                 state.ext_id,
                 send.main_block_ids,
                 send.indexer_block_ids,
@@ -378,7 +293,7 @@ class PrefillSide:
         ms, i_start = chunk.main_start, chunk.indexer_start
         if (main or indexer or final) and send.target is not None:
             # A publication will name the request: it opens the connection to its Decode.
-            self._contacted.add(_endpoint_target(send.target))
+            self._contacted.add(endpoint_target(send.target))
 
         def schedule() -> None:
             try:
@@ -452,7 +367,7 @@ class PrefillSide:
 
     # -- Prefill-first -----------------------------------------------------------------------
 
-    def _keep(self, keep: _Keep) -> None:
+    def _keep(self, keep: KeptRequest) -> None:
         """Keep a computed Prefill-first request in the endpoint for its Decode's claim."""
         why = "" if self.door is not None else "this rank's claim port is not open"
         if not why:
@@ -499,7 +414,8 @@ class PrefillSide:
         chunk = Chunk(ext_req_id=claim.request_id, main_block_ids=[], final=True)
         if keep is not None:
             try:
-                chunk = self._chunk(
+                chunk = request_chunk(
+                    self.groups,
                     keep.ext_id,
                     keep.main_block_ids,
                     keep.indexer_block_ids,
@@ -528,49 +444,6 @@ class PrefillSide:
             message=answer.message,
         )
 
-    def _chunk(
-        self,
-        ext_id: str,
-        main_ids: list[int],
-        indexer_ids: list[int] | None,
-        *,
-        cached_tokens: int,
-        transferred_tokens: int,
-        computed_tokens: int,
-        final: bool,
-    ) -> Chunk:
-        """The blocks of a request that go out now: past what Decode holds (its prefix
-        hit) and what earlier steps sent, up to what is computed, per KV-cache group (one
-        group holding main and indexer: the same ids, the same range)."""
-        groups = self.groups
-
-        def blocks(group: int, allocated: int) -> tuple[int, int]:
-            return chunk_block_range(
-                remote_cached_tokens=cached_tokens,
-                transferred_tokens=transferred_tokens,
-                computed_tokens=computed_tokens,
-                block_size=groups.block_sizes[group],
-                allocated_blocks=allocated,
-                final=final,
-            )
-
-        ms, me = blocks(groups.main, len(main_ids))
-        indexer: list[int] = []
-        i_start = 0
-        if indexer_ids is not None and groups.indexer is not None:
-            i_start, i_end = blocks(groups.indexer, len(indexer_ids))
-            indexer = indexer_ids[i_start:i_end]
-        elif indexer_ids is not None:
-            indexer, i_start = indexer_ids[ms:me], ms
-        return Chunk(
-            ext_req_id=ext_id,
-            main_block_ids=main_ids[ms:me],
-            indexer_block_ids=indexer,
-            main_start=ms,
-            indexer_start=i_start,
-            final=final,
-        )
-
     def _abort_reachable_children(self) -> None:
         """Abort pending prompt-list children toward Decode engines a publication reached.
 
@@ -582,7 +455,7 @@ class PrefillSide:
         reaches within the load timeout is dropped: its Decode has failed it by then.
         """
         now = time.monotonic()
-        waiting: list[_PendingAbort] = []
+        waiting: list[PendingAbort] = []
         for pending in self._pending_aborts:
             if pending.target in self._contacted:
                 self._publisher.run(functools.partial(self._abort_child, pending))
@@ -599,7 +472,7 @@ class PrefillSide:
                 )
         self._pending_aborts = waiting
 
-    def _abort_child(self, pending: _PendingAbort) -> None:
+    def _abort_child(self, pending: PendingAbort) -> None:
         """Register the child with the endpoint and abort it at once: a v2 Decode fails it
         on the ABORT; a v1 Decode has no ABORT message and fails it on its load timeout."""
         child, target = pending.child, pending.target
@@ -673,7 +546,7 @@ class PrefillSide:
         done.update(k.req_id for k in over)
         return done
 
-    def _kept_finished(self, keep: _Keep, finished: RequestFinished) -> None:
+    def _kept_finished(self, keep: KeptRequest, finished: RequestFinished) -> None:
         """The endpoint finished a kept request: read by its Decode, or never claimed."""
         with self._keep_lock:
             keep.ended = True
