@@ -112,12 +112,12 @@ from rd2h_protocol.checker.symmetry import renamings
 from rd2h_protocol.checker.world import World
 from rd2h_protocol.claim import decode_claim, decode_claim_answer
 from rd2h_protocol.consumer import ConsumerEndpoint
-from rd2h_protocol.consumer.frames import _UNPACK_DECODER
 from rd2h_protocol.plan import ReadPlan
 from rd2h_protocol.producer import ProducerEndpoint
 from rd2h_protocol.wire.codec import decode
 from rd2h_protocol.wire.layout import DestinationLayout, LayerLayout
 from rd2h_protocol.wire.messages import Abort, ReadDone, ReadFailed, ReadReadyBatch
+from rd2h_protocol.wire.readiness import PACKED_ENTRIES_DECODER as _UNPACK_DECODER
 
 __all__ = ["Endpoint", "EndpointForms", "fingerprint", "fingerprint_reusing", "read_form"]
 

@@ -46,7 +46,7 @@ Serving one readiness (reference §2, departures 1, 4, 6, 11):
 5. ONE :class:`~rd2h_protocol.plan.ReadPlan` per message (``StartRead``), or, when this
    rank has nothing to read, ``read_done`` at once. A whole-entry share is not copied:
    the plan holds the message's own ids (tuples decoded once per engine step, as every
-   layer carries the same entries; see ``_decode_bounded``) and the request's own
+   layer carries the same entries; see :mod:`rd2h_protocol.wire.readiness`) and the request's own
    destination ids (a tuple, or a range when contiguous), so the runtime can plan the
    later layers of a step with no per-id work. When the read ends, the reply goes out;
    done signals count (contributor completion) only after a successful read; a failed
@@ -66,8 +66,6 @@ concern to the layers below it (and no state: :mod:`.state` declares all of it):
 
 * :mod:`.config` -- :class:`ConsumerConfig` and :class:`ConsumerStats`;
 * :mod:`.records` -- the per-session, per-request and per-readiness records;
-* :mod:`.frames` -- decoding readiness frames: the bounded fast path's pieces, and what
-  a frame that fails decoding still names;
 * :mod:`.state` -- everything the endpoint holds, and the request machine's input;
 * :mod:`.parking` -- readiness and ABORTs that wait for requests not known yet;
 * :mod:`.requests` -- the request machine's effects (done, failed, released);
@@ -77,6 +75,13 @@ concern to the layers below it (and no state: :mod:`.state` declares all of it):
 * :mod:`.sessions` -- the session machine's effects: handshake, ABORT, admission;
 * :mod:`.endpoint` -- :class:`ConsumerEndpoint`: the public inputs and views, and the
   three tables of :mod:`rd2h_protocol.machines.consumer` bound to their handlers.
+
+A frame from Prefill goes through one decoder call and one dispatch:
+:meth:`~ConsumerEndpoint.receive` hands it to
+:func:`~rd2h_protocol.wire.readiness.read_frame` with what the session holds (its block id
+bound, its kept entries), and acts on the value it gets back alone: a ``Readiness`` goes to
+the session table (``RECV_READINESS``), an ``Unreadable`` gets its failure reply (or is
+dropped), any other message goes to its handler.
 """
 
 from rd2h_protocol.consumer.config import ConsumerConfig, ConsumerStats, Output

@@ -3,31 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import Final
 
 from rd2h_protocol.consumer.config import Output
-from rd2h_protocol.consumer.frames import (
-    _EMPTY_ARRAY,
-    _ENTRY_CACHE_SESSIONS,
-    _READINESS_HEAD,
-    _SHELL_DECODER,
-    _WIRE_ID_LIMIT,
-    _bounded_entries,
-    _entries_offset,
-    _identify_readiness,
-    _unique,
-    _with_entries,
-)
 from rd2h_protocol.consumer.held import _entries_cost
 from rd2h_protocol.consumer.records import _KeptEntries, _Readiness, _Request, _Session
 from rd2h_protocol.consumer.replies import _clip
 from rd2h_protocol.consumer.sessions import _SessionEffects
-from rd2h_protocol.errors import (
-    ErrorCode,
-    LocalProtocolError,
-    ProtocolError,
-    RemoteProtocolError,
-    TransferError,
-)
+from rd2h_protocol.errors import ErrorCode, LocalProtocolError, ProtocolError, TransferError
 from rd2h_protocol.events import ConnectionView, Releasable, Reply, SendAbort
 from rd2h_protocol.machines.consumer import (
     DECODE_READINESS,
@@ -65,10 +48,8 @@ from rd2h_protocol.machines.consumer import (
     SESSION_V2,
 )
 from rd2h_protocol.machines.declare import NO_EFFECT, no_effect
-from rd2h_protocol.wire.codec import TooManyBlockIds, check_block_ids, decode
 from rd2h_protocol.wire.messages import (
     CAP_ABORT,
-    MAX_FRAME_BYTES,
     MAX_REQUESTS_PER_BATCH,
     Abort,
     Message,
@@ -76,6 +57,16 @@ from rd2h_protocol.wire.messages import (
     ReadReadyBatch,
     ReadReq,
 )
+from rd2h_protocol.wire.readiness import (
+    WIRE_ID_LIMIT,
+    Readiness,
+    Unreadable,
+    read_frame,
+    unique_ids,
+)
+
+# Sessions whose last readiness entries are kept (see receive).
+ENTRY_CACHE_SESSIONS: Final = 64
 
 
 def _frozen_ids(ids: Sequence[int]) -> Sequence[int]:
@@ -232,7 +223,7 @@ class ConsumerEndpoint(_SessionEffects):
         Ids this rank does not hold are remembered as retired, so readiness for them is
         refused instead of parked.
         """
-        for ext in _unique(ext_ids):
+        for ext in unique_ids(ext_ids):
             req = self._requests.get(ext)
             if req is None:
                 self._retire(ext, now)
@@ -282,104 +273,67 @@ class ConsumerEndpoint(_SessionEffects):
     ) -> list[Output]:
         """Handle one frame (or decoded message) from Prefill peer ``peer``; never raises.
 
+        A frame is read once, by :func:`~rd2h_protocol.wire.readiness.read_frame`, given
+        the session's block id bound and kept entries; what it returns decides the rest.
         A frame that does not decode is counted; if it is a readiness whose ``layer_idx``
         (and ``seq``, when present) can be read, it still gets a failure reply and the
         known requests it names fail, so no Prefill gate waits for it.
         """
         if not isinstance(frame, bytes | bytearray | memoryview):
             return self._receive(peer, frame, now, None)
-        try:
-            bounded = self._decode_bounded(peer, frame)
-            msg = decode(frame) if bounded is None else bounded[0]
-        except RemoteProtocolError as exc:
-            self.stats.malformed_frames += 1
-            if isinstance(exc, TooManyBlockIds):
-                self.stats.block_id_refusals += 1
-            ident = getattr(exc, "ident", None) or _identify_readiness(frame)
-            if ident is None:
-                self.stats.dropped += 1
-                return []
-            layer_idx, seq, ids = ident
-            self.stats.layer_failures += 1
-            self._out.append(
-                Reply(peer, self._failure_reply(layer_idx, seq, exc.code, exc.message))
-            )
-            self._fail_known(ids, now, exc.code, f"malformed readiness: {exc.message}")
-            return self._flush()
-        return self._receive(peer, msg, now, None if bounded is None else bounded[1])
-
-    def _decode_bounded(
-        self, peer: bytes, frame: bytes | bytearray | memoryview
-    ) -> tuple[ReadReadyBatch, int] | None:
-        """A readiness from a bound session, decoded with its Prefill block id bound checked
-        (the layout's smallest ``num_blocks``; without one, the wire's own limit, which is
-        exactly the codec's check), and the bound; None to take the general path.
-
-        A readiness that carries more block ids than the wire allows raises
-        :class:`TooManyBlockIds` before any id is decoded (see
-        :data:`~rd2h_protocol.wire.messages.MAX_BLOCK_IDS_PER_READINESS`).
-
-        None covers every frame this cannot vouch for: not a readiness as encoders write
-        it, no session, too big, malformed, or ANY id at or past the bound. The
-        general path then decodes it again and finds the offending requests one by one
-        (isolating them), so an out-of-range id costs a second decode, never a guarantee.
-
-        Every layer of an engine step carries the same entries, byte for byte; only the
-        layer, ``seq`` and done ids differ. So the session's last entries are kept with
-        their bytes: when the same bytes stand at the entries' place (msgpack values
-        delimit themselves, so equal bytes there are the same value), the frame is decoded
-        with an empty array in their place and given the kept entries, which were decoded
-        and bound-checked already; the ids are decoded once per step, not per layer.
-        """
         session = self._session_of(peer)
-        if (
-            session is None
-            or not len(_READINESS_HEAD) < len(frame) <= MAX_FRAME_BYTES
-            or not 0x91 <= frame[0] <= 0x9F
-            or frame[1 : 1 + len(_READINESS_HEAD)] != _READINESS_HEAD
-        ):
-            return None
-        # A layout without num_blocks (a v1 Prefill) bounds nothing beyond the wire's own
-        # block id type: the ids are decoded with exactly the codec's check, so the frame
-        # gets the same verdict as on the general path, and the immutable entries the
-        # planner caches per step.
-        bound = _WIRE_ID_LIMIT if session.id_bound is None else session.id_bound
-        # Kept entries were checked against this bound: a handshake drops them.
-        cached = self._entry_cache.get(session.name)
-        try:
-            if cached is not None:
-                raw, entries = cached.raw, cached.entries
-                at = _entries_offset(frame)
-                # (bytes.startswith: a memcmp; comparing memoryviews goes item by item)
-                if at is not None and bytes(frame).startswith(raw, at):
+        if session is None:
+            read = self._read_frame(frame)
+        else:
+            # Kept entries were read under this bound: a handshake drops them.
+            kept = self._entry_cache.get(session.name)
+            read = self._read_frame(
+                frame,
+                id_bound=WIRE_ID_LIMIT if session.id_bound is None else session.id_bound,
+                kept=None if kept is None else (kept.raw, kept.entries),
+            )
+        if isinstance(read, Readiness):
+            if session is not None:
+                if read.reused:
                     self._entry_cache.move_to_end(session.name)
-                    rest = b"".join((frame[:at], _EMPTY_ARRAY, frame[at + len(raw) :]))
-                    return _with_entries(_SHELL_DECODER.decode(rest), entries), bound
-            shell = _SHELL_DECODER.decode(frame)
-        except Exception:  # malformed: the general path judges it
-            return None
-        try:
-            check_block_ids(shell.read_reqs)
-        except TooManyBlockIds as exc:
-            # What the failure reply needs, without another pass over the frame.
-            exc.ident = (shell.layer_idx, shell.seq, _unique([*exc.names, *shell.done_ext_ids]))
-            raise
-        try:
-            entries = _bounded_entries(bound).decode(shell.read_reqs)
-        except Exception:  # out of bound or malformed: the general path judges it
-            return None
-        self._keep_entries(session, bytes(shell.read_reqs), entries)
-        return _with_entries(shell, entries), bound
+                elif read.keep is not None:
+                    self._keep_entries(session, read.keep, read.msg.read_reqs)
+            return self._receive(peer, read.msg, now, read.ids_below)
+        if isinstance(read, Unreadable):
+            return self._unreadable(peer, read, now)
+        return self._receive(peer, read, now, None)
+
+    #: Reads a frame (:func:`~rd2h_protocol.wire.readiness.read_frame`); an attribute so
+    #: that a test or a benchmark can stand another reader in for it.
+    _read_frame = staticmethod(read_frame)
+
+    def _unreadable(self, peer: bytes, read: Unreadable, now: float) -> list[Output]:
+        """A frame that does not decode: counted; a readiness that names its layer (and
+        its ``seq``, when present) gets a failure reply, and the known requests it names
+        fail, so no Prefill gate waits for it."""
+        self.stats.malformed_frames += 1
+        if read.too_many_block_ids:
+            self.stats.block_id_refusals += 1
+        if read.layer_idx is None:
+            self.stats.dropped += 1
+            return []
+        self.stats.layer_failures += 1
+        self._out.append(
+            Reply(peer, self._failure_reply(read.layer_idx, read.seq, read.code, read.message))
+        )
+        self._fail_known(read.ids, now, read.code, f"malformed readiness: {read.message}")
+        return self._flush()
 
     def _keep_entries(self, session: _Session, raw: bytes, entries: list[ReadReq]) -> None:
-        """Keep ``session``'s last entries (see _decode_bounded), charged to its budgets:
-        at most _ENTRY_CACHE_SESSIONS sessions' and what the byte budgets leave room for
-        (entries that do not fit are not kept: the next layer decodes its own)."""
+        """Keep ``session``'s last entries (a :class:`Readiness`'s ``keep``, passed back to
+        the decoder as ``kept``), charged to its budgets: at most ENTRY_CACHE_SESSIONS
+        sessions' and what the byte budgets leave room for (entries that do not fit are
+        not kept: the next layer decodes its own)."""
         self._drop_entries(session.name)
         kept = _KeptEntries(raw, entries, _entries_cost(raw, entries))
         self._entry_cache[session.name] = kept
         self._charge(session, kept.cost)
-        while len(self._entry_cache) > _ENTRY_CACHE_SESSIONS:
+        while len(self._entry_cache) > ENTRY_CACHE_SESSIONS:
             self._drop_entries(next(iter(self._entry_cache)))
         self._enforce_session_budgets(session)
 

@@ -24,11 +24,11 @@ import sys
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Final
 
-from rd2h_protocol.consumer.frames import entry_request_id
 from rd2h_protocol.consumer.records import _Session
 from rd2h_protocol.consumer.state import _EndpointState
 from rd2h_protocol.wire.layout import LayerLayout
 from rd2h_protocol.wire.messages import ReadDone, ReadFailed, ReadReq
+from rd2h_protocol.wire.readiness import entry_request_id
 
 # A session's record with its empty containers (``remembered``, ``validated``, ``layers``)
 # and its entries in ``_sessions``, ``_origin_sessions`` and ``_peers``; its name apart.

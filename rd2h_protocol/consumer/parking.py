@@ -27,11 +27,11 @@ from typing import Final
 
 import msgspec
 
-from rd2h_protocol.consumer.frames import _PARK_ENCODER, _UNPACK_DECODER, _message_ids
 from rd2h_protocol.consumer.held import _entries_bytes, _SessionBudgets
 from rd2h_protocol.consumer.records import _Parked, _ParkedAbort, _Readiness
 from rd2h_protocol.errors import ErrorCode
 from rd2h_protocol.machines.consumer import M_LOCAL_UNPARK, R_RECV_ABORT
+from rd2h_protocol.wire.readiness import message_ids, pack_entries, unpack_entries
 
 # What one awaited id costs in the index beyond its string: a dict slot at the worst
 # load a dict keeps after growing (it is rebuilt when it empties, see _unindex), and the
@@ -73,11 +73,11 @@ class _Parking(_SessionBudgets):
     def _prepare_park(self, rd: _Readiness, missing: Sequence[str]) -> bytes | None:
         """Give ``rd`` what parking keeps of it (names, ``left``, cost); return its
         entries packed (None: they cannot be, and stay decoded)."""
-        rd.names = tuple(sorted(_message_ids(rd.msg)))
+        rd.names = tuple(sorted(message_ids(rd.msg)))
         rd.left = len(missing)
         packed: bytes | None
         try:
-            packed = _PARK_ENCODER.encode(rd.msg.read_reqs)
+            packed = pack_entries(rd.msg.read_reqs)
         except (TypeError, OverflowError, ValueError):  # (only a message built in-process)
             packed = None
         rd.park_cost = _park_cost(rd, packed)
@@ -142,7 +142,7 @@ class _Parking(_SessionBudgets):
         item.left = 0
         item.names = ()
         if isinstance(item, _Readiness) and item.packed is not None:
-            entries = _UNPACK_DECODER.decode(item.packed)
+            entries = unpack_entries(item.packed)
             item.msg = msgspec.structs.replace(item.msg, read_reqs=entries)
             item.packed = None
 

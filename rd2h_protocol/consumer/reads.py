@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 
 from rd2h_protocol.completion import EFFECT_IGNORE_DUPLICATE
-from rd2h_protocol.consumer.frames import _unique
 from rd2h_protocol.consumer.records import _Readiness
 from rd2h_protocol.consumer.replies import _Replies
 from rd2h_protocol.errors import ErrorCode, TransferError
@@ -19,6 +18,7 @@ from rd2h_protocol.machines.consumer import (
     R_LOCAL_READ_OK,
     REQ_RECEIVING,
 )
+from rd2h_protocol.wire.readiness import unique_ids
 
 
 class _ReadOutcomes(_Replies):
@@ -43,7 +43,7 @@ class _ReadOutcomes(_Replies):
         msg = rd.msg
         if msg.done_ext_ids:  # (the last layer's: the others carry none)
             accepted = {req.ext_id: req for req in rd.accepted}
-            for ext in _unique(msg.done_ext_ids):
+            for ext in unique_ids(msg.done_ext_ids):
                 req = accepted.get(ext)
                 if req is None or req.state != REQ_RECEIVING or self._requests.get(ext) is not req:
                     continue

@@ -56,7 +56,7 @@ class _Session:
         self.caps: frozenset[str] = frozenset()
         self.layers: dict[str, LayerLayout] = {}
         # Every Prefill block id of the layout lies below this (None: a layout without
-        # num_blocks, which cannot be checked); see _decode_bounded.
+        # num_blocks, which cannot be checked); the id_bound of wire.readiness.read_frame.
         self.id_bound: int | None = None
         self.refusal: tuple[ErrorCode, str] = (ErrorCode.UNKNOWN, "")
         # The seq the next v2 readiness must carry (None: not known yet).
@@ -155,10 +155,11 @@ class _Readiness:
 
 
 class _KeptEntries:
-    """A session's last readiness entries with their bytes (see ``_decode_bounded``), and
-    this rank's shares of them worked out so far (see ``_Serving._fx_accept``): every
-    layer of an engine step carries the same entries, so their shares are worked out on
-    its first layer and only looked up on the others."""
+    """A session's last readiness entries with their bytes (a
+    :class:`~rd2h_protocol.wire.readiness.Readiness`'s ``keep``, passed back to the decoder
+    as ``kept``), and this rank's shares of them worked out so far (see
+    ``_Serving._fx_accept``): every layer of an engine step carries the same entries, so
+    their shares are worked out on its first layer and only looked up on the others."""
 
     __slots__ = ("cost", "entries", "raw", "shares")
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from typing import Final
 
-from rd2h_protocol.consumer.frames import _message_ids
 from rd2h_protocol.consumer.held import _reply_cost
 from rd2h_protocol.consumer.records import _Readiness, _Session
 from rd2h_protocol.consumer.requests import _RequestEffects
@@ -24,6 +23,7 @@ from rd2h_protocol.wire.messages import (
     ReadDone,
     ReadFailed,
 )
+from rd2h_protocol.wire.readiness import message_ids
 
 # Room kept in a reply frame for everything but the per-request failure texts.
 _REPLY_TEXT_BUDGET: Final = MAX_FRAME_BYTES // 2
@@ -86,7 +86,7 @@ class _Replies(_RequestEffects):
         self._READINESS.fire(self, rd, M_LOCAL_REFUSE, code, text)
         self.stats.layer_failures += 1
         if fail_known:
-            self._fail_known(_message_ids(rd.msg), now, code, text)
+            self._fail_known(message_ids(rd.msg), now, code, text)
 
     def _remember(self, session: _Session, seq: int, reply: ReadDone | ReadFailed | None) -> None:
         """Record ``seq``'s reply (None: being served), within the session's bounds."""

@@ -12,7 +12,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 from rd2h_protocol.completion import ContributorSet
-from rd2h_protocol.consumer.frames import _message_ids, _unique
 from rd2h_protocol.consumer.held import _VALIDATED_BYTES
 from rd2h_protocol.consumer.reads import _ReadOutcomes
 from rd2h_protocol.consumer.records import _Readiness, _Request, _Session
@@ -38,6 +37,7 @@ from rd2h_protocol.wire.layout import (
     validate_layer,
 )
 from rd2h_protocol.wire.messages import FailedRequest, ReadReq
+from rd2h_protocol.wire.readiness import message_ids, unique_ids
 
 
 def _explain(mismatch: LayoutMismatch, tp_ratio: int) -> str:
@@ -147,7 +147,7 @@ class _Serving(_ReadOutcomes):
         if allow_park:
             # (set.difference looks each id up in the dict; _retired, an OrderedDict, it
             # would iterate whole, so the few ids left are looked up there one by one)
-            named = set(_message_ids(msg))
+            named = set(message_ids(msg))
             missing = [ext for ext in named.difference(self._requests) if ext not in self._retired]
             if missing:
                 packed = self._prepare_park(rd, missing)
@@ -201,7 +201,7 @@ class _Serving(_ReadOutcomes):
         if len(entry_of) < len(named):
             twice = {ext for ext, n in Counter(named).items() if n > 1}
             named = list(entry_of)
-        ids = named + [ext for ext in _unique(msg.done_ext_ids) if ext not in entry_of]
+        ids = named + [ext for ext in unique_ids(msg.done_ext_ids) if ext not in entry_of]
         reads: list[RequestRead] = []
         kept = self._entry_cache.get(rd.session)
         shares = kept.shares if kept is not None and kept.entries is msg.read_reqs else None

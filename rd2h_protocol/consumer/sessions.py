@@ -13,7 +13,6 @@ from collections.abc import Mapping
 
 import msgspec
 
-from rd2h_protocol.consumer.frames import _unique
 from rd2h_protocol.consumer.held import _SESSION_RECORD_BYTES, _layouts_cost
 from rd2h_protocol.consumer.parking import _park_cost
 from rd2h_protocol.consumer.records import _ParkedAbort, _Readiness, _Session
@@ -43,6 +42,7 @@ from rd2h_protocol.wire.messages import (
     MfMeta,
     ReadReadyBatch,
 )
+from rd2h_protocol.wire.readiness import unique_ids
 
 
 def _id_bound(layers: Mapping[str, LayerLayout]) -> int | None:
@@ -206,7 +206,7 @@ class _SessionEffects(_Serving):
         self.stats.aborts_received += 1
         reason = f"aborted by Prefill: {msg.reason}" if msg.reason else "aborted by Prefill"
         missing: list[str] = []
-        for ext in _unique(msg.ext_ids):
+        for ext in unique_ids(msg.ext_ids):
             req = self._requests.get(ext)
             if req is not None:
                 self._request_event(

@@ -153,11 +153,9 @@ def _tag_of(frame: bytes | bytearray | memoryview) -> bytes:
 class TooManyBlockIds(FrameTooLarge):
     """A readiness carries more block ids than
     :data:`~rd2h_protocol.wire.messages.MAX_BLOCK_IDS_PER_READINESS`; ``names`` are the
-    request ids its entries name (those that are strings within their bound); a receiver
-    may set ``ident`` to what its failure reply needs: ``(layer_idx, seq, request ids)``."""
+    request ids its entries name (those that are strings within their bound)."""
 
     names: list[str]
-    ident: tuple[int, int | None, list[str]] | None = None
 
 
 class _EntryIds(msgspec.Struct, array_like=True):
@@ -272,12 +270,29 @@ def decode(frame: bytes | bytearray | memoryview) -> Message:
         return msg
     except RemoteProtocolError:
         raise
-    except msgspec.ValidationError as exc:
+    except Exception as exc:  # msgspec.DecodeError, ValidationError, RecursionError, ...
+        raise remote_error(exc) from None
+
+
+def remote_error(exc: Exception, *, under: str = "") -> RemoteProtocolError:
+    """The :class:`RemoteProtocolError` that :func:`decode` raises for ``exc``, what
+    msgspec (or a check) raised while decoding a frame.
+
+    ``under``: the location, in a frame's msgpack path (``"[3]"``), of a value that was
+    decoded ALONE out of that frame (as a readiness's entries are): a
+    :class:`msgspec.ValidationError`'s location is then written as it reads when the whole
+    frame is decoded, so the verdict is word for word the one :func:`decode` gives.
+    """
+    if isinstance(exc, RemoteProtocolError):
+        return exc
+    if isinstance(exc, msgspec.ValidationError):
         text = str(exc)
+        if under:
+            head, at, path = text.rpartition(" - at `$")
+            text = f"{head}{at}{under}{path}" if at else f"{text} - at `${under}`"
         if _RANGE_RE.match(text):
-            raise ValueOutOfRange(text) from None
+            return ValueOutOfRange(text)
         if _LENGTH_RE.match(text):
-            raise FrameTooLarge(text) from None
-        raise MalformedFrame(text) from None
-    except Exception as exc:  # msgspec.DecodeError, RecursionError, MemoryError, ...
-        raise MalformedFrame(f"undecodable frame: {exc}") from None
+            return FrameTooLarge(text)
+        return MalformedFrame(text)
+    return MalformedFrame(f"undecodable frame: {exc}")

@@ -60,6 +60,7 @@ from rd2h_protocol.wire.messages import (
     ReadReadyBatch,
     ReadReq,
 )
+from rd2h_protocol.wire.readiness import Readiness, read_frame
 
 # -- fixtures ------------------------------------------------------------------------------
 
@@ -1647,15 +1648,7 @@ def test_readiness_decodes_alike_on_every_path(
 ) -> None:
     """A session with num_blocks decodes readiness with the bound checked; any other
     spelling (or an id at the bound) takes the general path: same plan, same reply."""
-    fast: list[bool] = []
-    bounded = ConsumerEndpoint._decode_bounded
-
-    def spy(self: ConsumerEndpoint, peer: bytes, frame: bytes) -> Any:
-        result = bounded(self, peer, frame)
-        fast.append(result is not None)
-        return result
-
-    monkeypatch.setattr(ConsumerEndpoint, "_decode_bounded", spy)
+    fast = _spy_fast(monkeypatch)
     seen = []
     for frame_of in (encode, _array16):
         ep = ready()
@@ -1742,7 +1735,7 @@ _IDX_SPELLINGS = {
 def test_every_spelling_of_layer_and_name_is_read_alike(idx: str, name: str) -> None:
     """Legal msgpack spellings of the fields before the entries: the entries' offset is
     found for those encoders write (else None), and the endpoint answers all alike."""
-    from rd2h_protocol.consumer.frames import _entries_offset
+    from rd2h_protocol.wire.readiness import _entries_offset
 
     def run(frame: bytes) -> tuple[list[Any], list[Any]]:
         ep = ready()
@@ -1764,7 +1757,7 @@ def test_every_spelling_of_layer_and_name_is_read_alike(idx: str, name: str) -> 
 
 
 def test_entries_offset_of_a_cut_frame_is_none() -> None:
-    from rd2h_protocol.consumer.frames import _entries_offset
+    from rd2h_protocol.wire.readiness import _entries_offset
 
     msg = rrb(0, [rr("r1", [1])], seq=1)
     frame = encode(msg)
@@ -1837,7 +1830,7 @@ def test_kept_entries_never_vouch_for_the_rest_of_a_frame() -> None:
 
 
 def test_entries_kept_for_a_bounded_number_of_sessions() -> None:
-    from rd2h_protocol.consumer.frames import _ENTRY_CACHE_SESSIONS
+    from rd2h_protocol.consumer.endpoint import ENTRY_CACHE_SESSIONS as _ENTRY_CACHE_SESSIONS
 
     ep = endpoint()
     peers = [f"peer-{i}".encode() for i in range(_ENTRY_CACHE_SESSIONS + 1)]
@@ -1918,17 +1911,22 @@ def _v1_unbounded() -> ConsumerEndpoint:
 
 
 def _spy_fast(monkeypatch: pytest.MonkeyPatch, *, disable: bool = False) -> list[bool]:
-    """Record whether each frame took the fast decode (or force the general path)."""
+    """Record whether each frame took the fast decode, its ids checked against the
+    session's bound while decoded (or force the general path)."""
     fast: list[bool] = []
-    bounded = ConsumerEndpoint._decode_bounded
 
-    def spy(self: ConsumerEndpoint, peer: bytes, frame: bytes) -> Any:
-        result = None if disable else bounded(self, peer, frame)
-        fast.append(result is not None)
+    def spy(frame: bytes, **session: Any) -> Any:
+        result = _general_read(frame) if disable else read_frame(frame, **session)
+        fast.append(isinstance(result, Readiness) and result.ids_below is not None)
         return result
 
-    monkeypatch.setattr(ConsumerEndpoint, "_decode_bounded", spy)
+    monkeypatch.setattr(ConsumerEndpoint, "_read_frame", staticmethod(spy))
     return fast
+
+
+def _general_read(frame: bytes, **_session: Any) -> Any:
+    """The frame reader with nothing known of the session: the general decode path."""
+    return read_frame(frame)
 
 
 def _served(ep: ConsumerEndpoint, msg: ReadReadyBatch) -> tuple[Any, ...]:
@@ -2067,7 +2065,7 @@ def test_whole_shares_on_the_fast_path_equal_the_general_path(
     for general in (False, True):
         ep = ready()
         if general:
-            ep._decode_bounded = lambda peer, frame: None  # type: ignore[method-assign]
+            ep._read_frame = _general_read  # type: ignore[method-assign]
         msgs = []
         for i, (main, idx, ms, js) in enumerate(entries):
             ep.add_request(f"r{i}", list(range(100, 108)), list(range(200, 208)), 0.0)
