@@ -58,7 +58,7 @@ from benchmarks.bench_control_plane import LAYERS, Pair, decode_layers, prefill_
 from benchmarks.bench_datapath import backend_layer_reader
 from rd2h_protocol.consumer import ConsumerConfig, ConsumerEndpoint, StartRead
 from rd2h_protocol.errors import ProtocolError
-from rd2h_protocol.wire.codec import encode
+from rd2h_protocol.wire.codec import decode, encode
 from rd2h_protocol.wire.layout import encode_layer_metadata
 from rd2h_protocol.wire.messages import MfMeta, ReadReadyBatch, ReadReq
 from rd2h_runtime.decode import INLINE_READ_BYTES
@@ -355,7 +355,7 @@ def handling(
     d_layers = decode_layers(pool)
     ep = ConsumerEndpoint(ConsumerConfig(d_rank=0, d_tp=1, layers=d_layers))
     if not fast:
-        ep._decode_bounded = lambda peer, frame: None  # type: ignore[method-assign]
+        ep._read_frame = lambda frame, **_: decode(frame)  # type: ignore[method-assign]
     layouts = {
         name: msgspec.structs.replace(layout, num_blocks=pool if num_blocks else None)
         for name, layout in prefill_layers(pool)
