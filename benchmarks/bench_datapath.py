@@ -9,7 +9,7 @@ volume) and each backend it times, sample by sample:
   parts copied at once by N threads, so a read split over N threads is set beside a memcpy
   split over N threads (the ``threads`` column is N for both), never a single-thread one;
 * the backend's ``read()`` of the whole layer from a Prefill source in ANOTHER process
-  (``rd2h_runtime.tools.check_read.prefill_source``; ``loopback`` reads in-process), as one
+  (``rd2h_runtime.testing.check_read.prefill_source``; ``loopback`` reads in-process), as one
   batched read of ``--chunk``-byte descriptors, exactly as Decode issues it. The cma
   backend runs with ``threads=N``; the other backends have no such setting and run once,
   beside a one-thread memcpy.
@@ -57,7 +57,7 @@ from typing import Any
 import numpy as np
 
 from rd2h_protocol.errors import ProtocolError
-from rd2h_runtime.tools.check_read import pattern, prefill_source
+from rd2h_runtime.testing.check_read import pattern, prefill_source
 from rd2h_runtime.transfer import create_backend
 
 MIB = 1 << 20

@@ -30,7 +30,7 @@ Every byte of the destination is checked against the pattern Prefill wrote. Goal
 >= 70 % of raw on one host.
 
 ``--netns`` runs the same across hosts: Prefill in one network namespace (198.18.0.1) and
-Decode in another (198.18.0.2), joined by a veth pair (:mod:`rd2h_runtime.tools.netns`,
+Decode in another (198.18.0.2), joined by a veth pair (:mod:`rd2h_runtime.testing.netns`,
 removed when the run ends, also on an error, Ctrl-C or SIGTERM), each engine kept on that
 link (UCX over TCP on the veth: its shared-memory transports would bypass the link). Both
 ``raw`` and ``runtime`` then cross the link; goal: runtime >= 90 % of raw.
@@ -60,8 +60,8 @@ from rd2h_protocol.producer import DecodeTarget, ProducerConfig
 from rd2h_runtime.decode import DecodeWorker
 from rd2h_runtime.planning import Descriptors, build_descriptors
 from rd2h_runtime.prefill import PrefillWorker
-from rd2h_runtime.tools import netns
-from rd2h_runtime.tools.synthetic import DecodeDestinations, PrefillCache, SyntheticModel
+from rd2h_runtime.testing import netns
+from rd2h_runtime.testing.synthetic import DecodeDestinations, PrefillCache, SyntheticModel
 from rd2h_runtime.transfer import create_backend
 
 HOST = "127.0.0.1"

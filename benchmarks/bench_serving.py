@@ -55,7 +55,7 @@ Goal: rd2h (both flows) TTFT p50 <= 1.0x NixlConnector's, per length and concurr
 Two hosts (``--two-hosts``, root and iproute2; issue 23)
 --------------------------------------------------------
 Prefill runs in one network namespace, Decode in another, joined by a veth pair with
-198.18.0.1 (Prefill) and 198.18.0.2 (Decode) (:mod:`rd2h_runtime.tools.netns`; both
+198.18.0.1 (Prefill) and 198.18.0.2 (Decode) (:mod:`rd2h_runtime.testing.netns`; both
 namespaces are removed on exit, also on an error, SIGTERM or Ctrl-C). Both connectors
 move the KV with UCX over TCP on that link (``UCX_TLS=tcp``, ``UCX_NET_DEVICES`` = each
 side's veth end) and name the link addresses: ``VLLM_HOST_IP``, NixlConnector's
@@ -68,7 +68,7 @@ control frames wait behind KV bytes.
 
 Where the HTTP hops run: Prefill's HTTP server listens on 198.18.0.1; Decode's (on
 127.0.0.1), the router, the proxy and this client run in Decode's namespace (the client's
-thread enters it with :func:`~rd2h_runtime.tools.netns.thread_in_netns`; the children it
+thread enters it with :func:`~rd2h_runtime.testing.netns.thread_in_netns`; the children it
 starts inherit it). So client -> router/proxy -> Decode and Decode's rendezvous post to
 the proxy stay on Decode's loopback; router/proxy -> Prefill (the request, and Prefill's
 answer, which queues in Prefill's egress FIFO behind KV bytes) crosses the limited link,
@@ -143,7 +143,7 @@ from benchmarks.serving_run import (
     settled_scrape,
     token_counter,
 )
-from rd2h_runtime.tools import netns
+from rd2h_runtime.testing import netns
 from rd2h_vllm.serving.client import (
     scrape,
 )

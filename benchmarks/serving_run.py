@@ -27,7 +27,7 @@ from typing import Any
 import httpx
 
 from benchmarks.serving_report import TBF_BURST, TBF_LATENCY, Result
-from rd2h_runtime.tools import netns
+from rd2h_runtime.testing import netns
 from rd2h_vllm.serving.client import (
     NIXL_BYTES,
     NIXL_XFER_TIME,

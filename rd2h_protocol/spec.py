@@ -55,7 +55,7 @@ _NESTED: tuple[tuple[type[msgspec.Struct], int], ...] = ((ReadReq, 5), (FailedRe
 # by name. Each module imports nothing but rd2h_protocol's machine declaration form.
 _BINDING_MACHINES: Final = (
     ("rd2h_runtime.connection_health", "RUNTIME_MACHINES"),
-    ("rd2h_runtime.proxy.phases", "PROXY_MACHINES"),
+    ("rd2h_proxy.phases", "PROXY_MACHINES"),
     ("rd2h_vllm.request_machines", "VLLM_MACHINES"),
 )
 

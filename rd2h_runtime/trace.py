@@ -30,8 +30,8 @@ part number. Records (``"k"``):
   them into a stream of its own (role ``marks``, :func:`open_marks`): a request's
   admission, its load noticed, its first step scheduled, Prefill's answer.
 
-``rd2h trace`` (:mod:`rd2h_runtime.tools.timeline`) merges traces into a timeline and replays
-them (``rd2h trace check``).
+``rd2h trace`` (:mod:`rd2h_app.timeline`) merges traces into a timeline;
+``rd2h trace check`` (:mod:`rd2h_protocol.checker.replay`) replays them.
 """
 
 from __future__ import annotations
@@ -44,14 +44,14 @@ import os
 import socket
 import threading
 import time
-import zlib
 from collections.abc import Sequence
 from typing import Any, Final
 
 import msgspec
 
-from rd2h_protocol.wire.codec import decode, encode
-from rd2h_protocol.wire.messages import Abort, ReadDone, ReadFailed, ReadReadyBatch
+# What a record says of an output or a frame is the checker's to read back (a replay
+# recomputes it), so it is stated there; the names stay exported here for the writer's users.
+from rd2h_protocol.checker.traces import MARKS_ROLE, MAX_IDS, frame_summary, summarize_output
 
 __all__ = [
     "ENV_VAR",
@@ -66,8 +66,6 @@ __all__ = [
 
 ENV_VAR: Final = "RD2H_TRACE_DIR"
 FORMAT_VERSION: Final = 1
-#: Request ids named in one summary; the rest are counted (``nids``).
-MAX_IDS: Final = 8
 DEFAULT_MAX_BYTES: Final = 256 << 20  # per part
 DEFAULT_KEEP: Final = 16  # parts kept per worker (older ones are deleted)
 _MAX_QUEUED: Final = 1 << 20  # records waiting for the writer; beyond: counted as dropped
@@ -84,96 +82,6 @@ def _boot_id() -> str:
             return f.read().strip()
     except OSError:
         return ""
-
-
-def _ids(ids: Sequence[str]) -> dict[str, Any]:
-    return {"ids": list(ids[:MAX_IDS]), "nids": len(ids)}
-
-
-def _msg_fields(msg: Any) -> dict[str, Any]:
-    """What a timeline shows of a control message (type, layer, seq, request ids)."""
-    out: dict[str, Any] = {"msg": type(msg).__name__}
-    if isinstance(msg, ReadReadyBatch):
-        out.update(layer=msg.layer_idx, seq=msg.seq, **_ids([r.ext_req_id for r in msg.read_reqs]))
-    elif isinstance(msg, ReadDone):
-        out.update(layer=msg.layer_idx, seq=msg.seq)
-        if msg.failed:
-            out.update(_ids([f.ext_req_id for f in msg.failed]))
-    elif isinstance(msg, ReadFailed):
-        out.update(layer=msg.layer_idx, seq=msg.seq, code=msg.code)
-    elif isinstance(msg, Abort):
-        out.update(_ids(list(msg.ext_ids)))
-    return out
-
-
-def frame_summary(payload: bytes, *, fields: bool = True) -> dict[str, Any]:
-    """Size, CRC-32 and (``fields``, when it decodes) the message fields of one frame.
-
-    The writer records size and CRC only (decoding a 64-request readiness costs more than
-    a millisecond); :mod:`rd2h_runtime.tools.timeline` adds the fields when it reads a trace.
-    """
-    out: dict[str, Any] = {"n": len(payload), "crc": zlib.crc32(payload)}
-    if not fields:
-        return out
-    try:
-        out.update(_msg_fields(decode(payload)))
-    except Exception:  # a malformed frame is traced as it came
-        out["msg"] = "?"
-    return out
-
-
-def summarize_output(out: Any, payload: bytes | None = None) -> dict[str, Any]:
-    """One endpoint output (producer or consumer) as a JSON-able summary.
-
-    Deterministic in the output alone, so that a replay can compare summaries.
-    ``payload``: the encoded frame of a message output, when the caller has it.
-    """
-    kind = type(out).__name__
-    if kind in ("Send", "Reply", "SendAbort"):
-        if payload is None:
-            payload = encode(out.msg)
-        rec: dict[str, Any] = {"o": kind.lower()}
-        if kind == "Send":
-            rec["conn"] = out.conn
-        else:
-            rec["peer"] = out.peer.hex()
-        rec.update(_msg_fields(out.msg), n=len(payload), crc=zlib.crc32(payload))
-        return rec
-    if kind == "StartRead":
-        plan = out.plan
-        return {
-            "o": "start_read",
-            "read_id": plan.read_id,
-            "layer": plan.layer_name,
-            "bytes": plan.total_bytes,
-            "start_by": out.start_by,
-            "finish_by": out.finish_by,
-            **_ids([r.ext_req_id for r in plan.requests]),
-        }
-    if kind == "GateOpened":
-        return {"o": "gate_opened", "slot": out.slot}
-    if kind == "LayerReplied":
-        return {
-            "o": "replied",
-            "conn": out.conn,
-            "layer": out.layer_idx,
-            "rt": out.round_trip_s,
-            "ok": out.ok,
-        }
-    if kind == "RequestFinished":
-        code = out.code.name if out.code is not None else None
-        return {"o": "finished", "id": out.ext_req_id, "ok": out.ok, "code": code}
-    if kind == "RequestFailed":
-        return {"o": "failed", "id": out.ext_req_id, "code": out.code.name}
-    if kind == "RequestDone":
-        return {"o": "done", "id": out.ext_req_id}
-    if kind == "Releasable":
-        return {"o": "releasable", "id": out.ext_req_id}
-    if kind == "Connect":
-        return {"o": "connect", "conn": out.conn, "host": out.host, "port": out.port}
-    if kind == "Disconnect":
-        return {"o": "disconnect", "conn": out.conn}
-    return {"o": kind}
 
 
 def _arg(value: Any) -> Any:
@@ -401,10 +309,6 @@ class Tracer:
         self._thread.join(10.0)
         self._drain()
         self._file.close()
-
-
-#: The role of a stream that holds only marks (nothing to replay).
-MARKS_ROLE: Final = "marks"
 
 
 def open_marks(trace_dir: str | None, source: str) -> Tracer | None:

@@ -47,10 +47,13 @@ The modules, in the order they build on each other:
 * :mod:`~rd2h_protocol.checker.cli`: ``python -m rd2h_protocol.checker``;
 * :mod:`~rd2h_protocol.checker.stateful`: the hypothesis state machine (imports
   hypothesis).
+* :mod:`~rd2h_protocol.checker.traces` and :mod:`~rd2h_protocol.checker.replay`: the
+  trace files of :mod:`rd2h_runtime.trace` read as plain JSON lines, and their replay
+  against fresh endpoints (``rd2h trace check``).
 
 The core never imports this package (``import rd2h_protocol`` loads neither it nor
 hypothesis nor transitions; ``tests/protocol/test_package_imports.py`` holds it to
-that). The docs generator (:mod:`rd2h_protocol.spec`), the runtime's trace checker (the
-invariants) and the tests import it. This ``__init__`` imports nothing: import the module
-you need.
+that). The docs generator (:mod:`rd2h_protocol.spec`), the runtime's trace writer (what a
+record says: :mod:`~rd2h_protocol.checker.traces`), ``rd2h trace`` and the tests import
+it. This ``__init__`` imports nothing: import the module you need.
 """

@@ -24,9 +24,10 @@ A Prefill/Decode deployment is reproduced on 127.0.0.1 with nothing but this mac
    (vLLM aborts that request), and reads ``/metrics``: request and KV-usage gauges,
    prompt tokens by source (``external_kv_transfer`` = loaded by the connector) and
    RD2H's ``vllm:rd2h_*`` series.
-5. :mod:`~rd2h_vllm.serving.demo` is ``rd2h demo --vllm``: the single-instance tokens
-   come from the Prefill server with no ``kv_transfer_params`` (salted out of the prefix
-   cache), then the same prompts go through the proxy; it prints ``tokens match: N/N``.
+5. ``rd2h demo --vllm`` (:mod:`rd2h_app.vllm_demo`, in the application package above
+   this one) puts these pieces together: the single-instance tokens come from the Prefill
+   server with no ``kv_transfer_params`` (salted out of the prefix cache), then the same
+   prompts go through the proxy; it prints ``tokens match: N/N``.
 
 6. :mod:`~rd2h_vllm.serving.router` starts ``vllm-router`` (vLLM's Rust router) in P/D
    mode in front of Prefill and Decode: the standard Prefill-first flow, for vLLM's
@@ -38,10 +39,9 @@ A Prefill/Decode deployment is reproduced on 127.0.0.1 with nothing but this mac
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["RouterProcess", "main", "start_router"]
+__all__ = ["RouterProcess", "start_router"]
 
 
 def __getattr__(name: str) -> Any:
@@ -52,10 +52,3 @@ def __getattr__(name: str) -> Any:
 
         return getattr(router, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``rd2h demo --vllm`` (see :mod:`rd2h_vllm.serving.demo`)."""
-    from rd2h_vllm.serving.demo import main as demo_main
-
-    return demo_main(argv)

@@ -328,7 +328,7 @@ class ServerSpec:
     ``host`` is the address its HTTP server binds and is reached at; ``netns`` (None: this
     process's) the network namespace it runs in (``ip netns exec``, which also mounts that
     namespace's /sys, where UCX finds the network devices; see
-    :mod:`rd2h_runtime.tools.netns`). Across namespaces the KV travels over the link
+    :mod:`rd2h_runtime.testing.netns`). Across namespaces the KV travels over the link
     addresses given in ``env`` (``VLLM_HOST_IP``, ``UCX_NET_DEVICES``, NixlConnector's
     ``VLLM_NIXL_SIDE_CHANNEL_HOST``) and ``extra_config`` (RD2H's ``advertise_host``).
     """
@@ -526,8 +526,7 @@ class ProxyProcess(ManagedProcess):
         cmd = [
             sys.executable,
             "-m",
-            "rd2h_runtime.tools.cli",
-            "proxy",
+            "rd2h_proxy",
             "--host",
             HOST,
             "--port",

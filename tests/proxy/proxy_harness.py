@@ -39,9 +39,9 @@ from rd2h_protocol.rendezvous import (
     params_for_child,
 )
 from rd2h_protocol.topology import external_request_id
-from rd2h_runtime.proxy import ProxyConfig, create_app
-from rd2h_runtime.proxy.config import Backend
-from rd2h_runtime.proxy.server import SERVER_KEY, ProxyServer, start
+from rd2h_proxy import ProxyConfig, create_app
+from rd2h_proxy.config import Backend
+from rd2h_proxy.server import SERVER_KEY, ProxyServer, start
 
 TEST_TIMEOUT_S = 9.0  # every test must finish in under 10 s
 HOST = "127.0.0.1"

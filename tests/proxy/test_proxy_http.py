@@ -14,7 +14,7 @@ from rd2h_protocol.rendezvous import (
     Rendezvous,
     encode_rendezvous,
 )
-from rd2h_runtime.proxy.config import Backend
+from rd2h_proxy.config import Backend
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"

@@ -1,7 +1,7 @@
 """The proxy against hostile clients: deep JSON, slowloris heads, slow bodies, too many connections.
 
 The JSON tests run the proxy in this process (between the fakes of proxy_harness); the
-connection tests run ``python -m rd2h_runtime.proxy`` as a child process and count its open
+connection tests run ``python -m rd2h_proxy`` as a child process and count its open
 file descriptors in /proc/<pid>/fd, with raw sockets on 127.0.0.1 as the clients.
 """
 
@@ -37,8 +37,8 @@ from proxy_harness import (
 )
 
 from rd2h_protocol.rendezvous import MAX_RENDEZVOUS_BYTES, Rendezvous, encode_rendezvous
-from rd2h_runtime.proxy.config import Backend, ProxyConfig
-from rd2h_runtime.proxy.payloads import (
+from rd2h_proxy.config import Backend, ProxyConfig
+from rd2h_proxy.payloads import (
     MAX_JSON_CONTAINERS,
     MAX_JSON_DEPTH,
     BadRequest,
@@ -47,7 +47,7 @@ from rd2h_runtime.proxy.payloads import (
     check_json_shape,
     decode_json_object,
 )
-from rd2h_runtime.proxy.server import _raise_open_file_limit
+from rd2h_proxy.server import _raise_open_file_limit
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
@@ -273,12 +273,12 @@ class ProxyProcess:
 def proxy_process(
     *flags: str, prefill_port: int | None = None, decode_port: int | None = None
 ) -> Iterator[ProxyProcess]:
-    """``python -m rd2h_runtime.proxy`` on 127.0.0.1 (by default, backends nobody listens on)."""
+    """``python -m rd2h_proxy`` on 127.0.0.1 (by default, backends nobody listens on)."""
     port = closed_port()
     cmd = [
         sys.executable,
         "-m",
-        "rd2h_runtime.proxy",
+        "rd2h_proxy",
         "--host",
         HOST,
         "--port",

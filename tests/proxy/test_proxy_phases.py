@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from proxy_harness import async_test, cluster
 
-from rd2h_runtime.proxy import registry
-from rd2h_runtime.proxy.payloads import COMPLETIONS
-from rd2h_runtime.proxy.phases import (
+from rd2h_proxy import registry
+from rd2h_proxy.payloads import COMPLETIONS
+from rd2h_proxy.phases import (
     P_RECV_DISPATCH_FAILED,
     P_RECV_DISPATCH_OK,
     P_RECV_LAST_POST,
@@ -20,7 +20,7 @@ from rd2h_runtime.proxy.phases import (
     PROXY_MACHINES,
     PROXY_REQUEST,
 )
-from rd2h_runtime.proxy.registry import Outcome, Registry, RendezvousRefused
+from rd2h_proxy.registry import Outcome, Registry, RendezvousRefused
 from tests.machine_checks import Recording, record, table_tests
 
 test_table_agrees_with_machine_on_every_pair, test_declarations_are_well_formed = table_tests(

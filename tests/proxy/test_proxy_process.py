@@ -18,7 +18,7 @@ def test_rd2h_proxy_command_serves_and_stops() -> None:
     cmd = [
         sys.executable,
         "-m",
-        "rd2h_runtime.tools.cli",
+        "rd2h_app.cli",
         "proxy",
         "--host",
         HOST,

@@ -15,7 +15,7 @@ from typing import Any
 from proxy_harness import HOST, Cluster, async_test, cluster
 
 from rd2h_protocol.rendezvous import METASERVER_IDEMPOTENT_KEY, Rendezvous
-from rd2h_runtime.proxy.payloads import COMPLETIONS
+from rd2h_proxy.payloads import COMPLETIONS
 from rd2h_vllm.config import MetaserverOptions
 from rd2h_vllm.metaserver import MetaserverClient, PostResult
 

@@ -9,10 +9,10 @@ import pytest
 
 from rd2h_protocol.errors import ConfigError
 from rd2h_protocol.rendezvous import BATCH_PARAMS_KEY, METASERVER_IDEMPOTENT_KEY
-from rd2h_runtime.proxy import build_parser, config_from_args, main
-from rd2h_runtime.proxy.balancer import LeastLoaded
-from rd2h_runtime.proxy.config import Backend, ProxyConfig, is_wildcard, pair_backends
-from rd2h_runtime.proxy.payloads import (
+from rd2h_proxy import build_parser, config_from_args, main
+from rd2h_proxy.balancer import LeastLoaded
+from rd2h_proxy.config import Backend, ProxyConfig, is_wildcard, pair_backends
+from rd2h_proxy.payloads import (
     CHAT_COMPLETIONS,
     COMPLETIONS,
     MAX_PROMPTS,
@@ -23,12 +23,12 @@ from rd2h_runtime.proxy.payloads import (
     decode_body,
     prefill_body,
 )
-from rd2h_runtime.proxy.phases import (
+from rd2h_proxy.phases import (
     P_TIMER_RENDEZVOUS_EXPIRED,
     PHASE_DISPATCHED,
     PHASE_DISPATCHING,
 )
-from rd2h_runtime.proxy.registry import (
+from rd2h_proxy.registry import (
     Outcome,
     ParentInFlight,
     Registry,

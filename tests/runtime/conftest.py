@@ -1,6 +1,6 @@
 """Fixtures for the transfer-backend tests: a Prefill source in a separate process.
 
-The source is ``rd2h_runtime.tools.check_read.prefill_source``: a child process that fills a
+The source is ``rd2h_runtime.testing.check_read.prefill_source``: a child process that fills a
 buffer with ``check_read.pattern(size, seed)``, registers it with the backend under test
 and serves one Decode over ZMQ on 127.0.0.1 (port chosen at run time). The test process
 plays Decode with its own backend.
@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from rd2h_runtime.tools.check_read import SourceInfo, prefill_source
+from rd2h_runtime.testing.check_read import SourceInfo, prefill_source
 
 
 @pytest.fixture(scope="module")

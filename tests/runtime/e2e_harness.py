@@ -1,4 +1,4 @@
-"""End-to-end test helpers beside :mod:`rd2h_runtime.tools.engines`: a ZMQ relay that drops,
+"""End-to-end test helpers beside :mod:`rd2h_runtime.testing.engines`: a ZMQ relay that drops,
 duplicates or delays frames between Prefill and Decode, and the clean-state checks.
 """
 
@@ -12,7 +12,7 @@ from typing import Any
 import msgpack
 import zmq
 
-from rd2h_runtime.tools.engines import HOST
+from rd2h_runtime.testing.engines import HOST
 
 # -- a ZMQ relay that can lose, repeat and hold frames -------------------------------------------
 

@@ -1,4 +1,4 @@
-"""The two-host tests' namespaces: :mod:`rd2h_runtime.tools.netns` made test-aware.
+"""The two-host tests' namespaces: :mod:`rd2h_runtime.testing.netns` made test-aware.
 
 :func:`two_hosts` makes a Prefill/Decode namespace pair for one test and removes it when the
 test ends, also on failure. Where namespaces cannot be made (no root, no iproute2),
@@ -15,8 +15,8 @@ from typing import NoReturn
 
 import pytest
 
-from rd2h_runtime.tools import netns
-from rd2h_runtime.tools.netns import TwoHosts, leftovers
+from rd2h_runtime.testing import netns
+from rd2h_runtime.testing.netns import TwoHosts, leftovers
 
 __all__ = ["TwoHosts", "leftovers", "require", "two_hosts"]
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from rd2h_protocol.errors import ConfigError
-from rd2h_runtime.tools.check_read import (
+from rd2h_runtime.testing.check_read import (
     CheckResult,
     _parse_options,
     main,

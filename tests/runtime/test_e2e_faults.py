@@ -22,7 +22,7 @@ import zmq
 
 from rd2h_protocol.errors import ErrorCode
 from rd2h_protocol.producer import DecodeTarget
-from rd2h_runtime.tools.engines import (
+from rd2h_runtime.testing.engines import (
     FAST_CONTROL,
     HOST,
     DecodeEngine,
@@ -32,7 +32,7 @@ from rd2h_runtime.tools.engines import (
     PrefillSpec,
     engine_process,
 )
-from rd2h_runtime.tools.synthetic import RequestSpec, SyntheticModel
+from rd2h_runtime.testing.synthetic import RequestSpec, SyntheticModel
 from tests.runtime.e2e_harness import (
     Relay,
     all_gates_open,

@@ -15,14 +15,14 @@ import zmq
 
 from rd2h_protocol.producer import DecodeTarget
 from rd2h_protocol.topology import indexer_share
-from rd2h_runtime.tools.engines import (
+from rd2h_runtime.testing.engines import (
     HOST,
     DecodeEngine,
     DecodeSpec,
     PrefillEngine,
     PrefillSpec,
 )
-from rd2h_runtime.tools.synthetic import (
+from rd2h_runtime.testing.synthetic import (
     BlockAllocator,
     DecodeDestinations,
     PrefillCache,

@@ -9,13 +9,13 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from rd2h_runtime.tools.engines import (
+from rd2h_runtime.testing.engines import (
     DecodeEngine,
     DecodeSpec,
     PrefillEngine,
     PrefillSpec,
 )
-from rd2h_runtime.tools.synthetic import (
+from rd2h_runtime.testing.synthetic import (
     ChunkStep,
     RequestSpec,
     SyntheticModel,

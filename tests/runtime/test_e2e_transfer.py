@@ -9,13 +9,13 @@ from collections.abc import Sequence
 
 import pytest
 
-from rd2h_runtime.tools.engines import (
+from rd2h_runtime.testing.engines import (
     DecodeSpec,
     EngineProcess,
     PrefillSpec,
     engine_process,
 )
-from rd2h_runtime.tools.synthetic import RequestSpec, SyntheticModel
+from rd2h_runtime.testing.synthetic import RequestSpec, SyntheticModel
 from tests.runtime.e2e_harness import (
     assert_clean,
 )

@@ -19,7 +19,7 @@ from rd2h_runtime.control import BindError, ControlClosed
 from rd2h_runtime.decode import DecodeWorker, ReadRecord
 from rd2h_runtime.planning import Descriptors, build_descriptors
 from rd2h_runtime.prefill import PrefillWorker
-from rd2h_runtime.tools.engines import (
+from rd2h_runtime.testing.engines import (
     FAST_CONTROL,
     HOST,
     DecodeEngine,
@@ -28,7 +28,7 @@ from rd2h_runtime.tools.engines import (
     PrefillEngine,
     PrefillSpec,
 )
-from rd2h_runtime.tools.synthetic import (
+from rd2h_runtime.testing.synthetic import (
     BlockAllocator,
     DecodeDestinations,
     PrefillCache,

@@ -163,7 +163,7 @@ def test_missing_engine_package_names_the_extra(name: str, monkeypatch: pytest.M
 
 def test_importing_the_runtime_loads_no_engine() -> None:
     code = (
-        "import sys, rd2h_runtime, rd2h_runtime.transfer, rd2h_runtime.tools.check_read\n"
+        "import sys, rd2h_runtime, rd2h_runtime.transfer, rd2h_runtime.testing.check_read\n"
         "loaded = [m for m in sys.modules if m.split('.')[0] in "
         "('nixl', 'nixl_cu12', 'nixl_cu13', 'mooncake', 'memfabric_hybrid', 'zmq')]\n"
         "print(loaded)\n"

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from rd2h_runtime.tools.engines import DecodeEngine, DecodeSpec, PrefillEngine, PrefillSpec
-from rd2h_runtime.tools.synthetic import RequestSpec, SyntheticModel
+from rd2h_runtime.testing.engines import DecodeEngine, DecodeSpec, PrefillEngine, PrefillSpec
+from rd2h_runtime.testing.synthetic import RequestSpec, SyntheticModel
 from tests.runtime.e2e_harness import assert_clean, wait_until
 
 pytestmark = pytest.mark.timeout(60)

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from rd2h_protocol.errors import ConfigError, TransferError
-from rd2h_runtime.tools.check_read import SourceInfo, pattern
+from rd2h_runtime.testing.check_read import SourceInfo, pattern
 from rd2h_runtime.transfer import TransferBackend, create_backend
 from rd2h_runtime.transfer.mooncake_backend import MAX_BATCH_SLICES
 

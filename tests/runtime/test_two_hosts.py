@@ -12,7 +12,7 @@ mooncake (TCP). Faults on the link:
 - ``rd2h check-read`` between the two namespaces.
 
 Each test makes its own namespaces (names carry this process's id) and removes them when
-it ends, also on failure (:mod:`rd2h_runtime.tools.netns`). Needs root and iproute2: without
+it ends, also on failure (:mod:`rd2h_runtime.testing.netns`). Needs root and iproute2: without
 them the tests fail in CI and are skipped elsewhere. Run alone:
 ``UCX_MODULES=^ib python -m pytest -q -p no:cacheprovider tests/runtime/test_two_hosts.py -s``
 (``-s`` shows the measured figures).
@@ -36,7 +36,7 @@ from typing import Any
 import pytest
 
 from rd2h_protocol import ErrorCode
-from rd2h_runtime.tools.engines import (
+from rd2h_runtime.testing.engines import (
     FAST_CONTROL,
     DecodeResult,
     DecodeSpec,
@@ -44,7 +44,7 @@ from rd2h_runtime.tools.engines import (
     PrefillSpec,
     engine_process,
 )
-from rd2h_runtime.tools.synthetic import RequestSpec, SyntheticModel
+from rd2h_runtime.testing.synthetic import RequestSpec, SyntheticModel
 from tests.runtime import netns
 from tests.runtime.e2e_harness import all_gates_open, assert_clean, wait_until
 from tests.runtime.netns import TwoHosts, leftovers, two_hosts
@@ -356,7 +356,7 @@ def test_check_read_across_namespaces(backend: str, hosts: TwoHosts) -> None:
     env.setdefault("UCX_MODULES", "^ib")
 
     def check_read(ns: str, dev: str, *args: str) -> subprocess.Popen[str]:
-        argv = [sys.executable, "-m", "rd2h_runtime.tools.cli", "check-read", "--backend", backend,
+        argv = [sys.executable, "-m", "rd2h_app.cli", "check-read", "--backend", backend,
                 "--size", str(size), "--timeout", "40", *args]  # fmt: skip
         return subprocess.Popen(
             hosts.command(ns, argv),

@@ -41,7 +41,7 @@ import httpx
 import pytest
 from serving_pool import CLAIM_TIMEOUT_S, FIGURES, TRACED, ServerPool, wait_until
 
-from rd2h_runtime.tools.breakdown import FLOW_STAGES
+from rd2h_app.breakdown import FLOW_STAGES
 from rd2h_vllm.serving.breakdown import ServerTimes, server_times, stages
 from rd2h_vllm.serving.client import (
     Completion,
@@ -447,7 +447,7 @@ class TestLlamaMooncakeTrace:
             assert abs(sum(v for _, v in laid) - ttft) < 1e-6, laid
             assert all(v >= 0 for name, v in laid if not name.startswith("HTTP")), laid
         done = subprocess.run(
-            [sys.executable, "-m", "rd2h_runtime.tools.cli", "trace", "requests", trace_dir],
+            [sys.executable, "-m", "rd2h_app.cli", "trace", "requests", trace_dir],
             capture_output=True,
             text=True,
             timeout=120,

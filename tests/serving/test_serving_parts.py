@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from rd2h_runtime.tools import demo
+from rd2h_app import demo
 from rd2h_vllm.serving.client import completion_body, parse_metrics
 from rd2h_vllm.serving.model import build_model, make_prompts
 from rd2h_vllm.serving.processes import (
@@ -98,11 +98,8 @@ def test_demo_vllm_is_delegated(capsys: pytest.CaptureFixture[str]) -> None:
     assert "rd2h demo --vllm" in capsys.readouterr().out
 
 
-def test_rd2h_runtime_does_not_import_rd2h_vllm() -> None:
-    code = (
-        "import sys, rd2h_runtime.tools.demo, rd2h_runtime.tools.cli; "
-        "print('rd2h_vllm' in sys.modules)"
-    )
+def test_the_demo_loads_rd2h_vllm_only_for_vllm() -> None:
+    code = "import sys, rd2h_app.demo, rd2h_app.cli; print('rd2h_vllm' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 

@@ -43,7 +43,7 @@ cache_role=INDEXER)``) end up:
   ``KVCacheTensor`` start at offset 0): a block id belongs to one group at a time.
 
 What Prefill writes is verifiable: every block of every block array holds
-:func:`rd2h_runtime.tools.synthetic.block_pattern` of (external request id, layer, component,
+:func:`rd2h_runtime.testing.synthetic.block_pattern` of (external request id, layer, component,
 logical block), where the logical block is the block's position in the request's block
 list of its KV-cache group. The main component's name includes the Prefill TP rank
 (``kv@p1``): each Prefill rank holds different bytes, so Decode rank ``r`` must find the
@@ -97,7 +97,7 @@ from vllm_metaserver_harness import MetaServer
 
 from rd2h_protocol.rendezvous import decode_rendezvous, remote_prefill_params
 from rd2h_runtime.control import ControlOptions
-from rd2h_runtime.tools.synthetic import block_pattern
+from rd2h_runtime.testing.synthetic import block_pattern
 from rd2h_vllm.config import CONNECTOR_MODULE, CONNECTOR_NAME
 from rd2h_vllm.connector import SfaRemoteD2HConnector
 from rd2h_vllm.destinations import VllmCacheDestinations

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
-from rd2h_runtime.proxy.config import Backend
+from rd2h_proxy.config import Backend
 
 
 @dataclass(eq=False, slots=True)

@@ -11,6 +11,9 @@ the recorded ones. It reports the first divergence, and on the way checks that
 - no ``layer_written`` goes into a storage whose gate is not open (Prefill), and the
   storage-gate invariant S1 holds after every call
   (:func:`~rd2h_protocol.checker.invariants.check_storage_gates`).
+
+The traces are read as plain JSON lines (:mod:`~rd2h_protocol.checker.traces`): a replay
+needs the protocol core alone, not the runtime that wrote them.
 """
 
 from __future__ import annotations
@@ -26,12 +29,11 @@ from typing import Any
 import msgspec
 
 from rd2h_protocol.checker.invariants import InvariantViolation, check_storage_gates
+from rd2h_protocol.checker.traces import MARKS_ROLE, Stream, load_or_say, summarize_output
 from rd2h_protocol.consumer import ConsumerConfig, ConsumerEndpoint
 from rd2h_protocol.errors import ErrorCode, TransferError
 from rd2h_protocol.events import Chunk
 from rd2h_protocol.producer import DecodeTarget, ProducerConfig, ProducerEndpoint
-from rd2h_runtime.tools.timeline import Stream, load_or_say
-from rd2h_runtime.trace import MARKS_ROLE, summarize_output
 
 __all__ = ["ReplayResult", "main", "replay"]
 

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from rd2h_runtime.tools import demo
+from rd2h_app import demo
 
 SMALL = [
     "--prefill-tp", "2", "--decode-tp", "1", "--requests", "3", "--wave", "2",
@@ -19,7 +19,7 @@ SMALL = [
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "rd2h_runtime.tools.cli", "demo", *args],
+        [sys.executable, "-m", "rd2h_app.cli", "demo", *args],
         capture_output=True,
         text=True,
         timeout=150,

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from rd2h_runtime.tools import bench, cli
+from rd2h_app import bench, cli
 
 ROOT = Path(__file__).resolve().parents[2]
-ENTRY_POINT = "rd2h_runtime.tools.cli:main"
+ENTRY_POINT = "rd2h_app.cli:main"
 
 
 def test_help_lists_every_subcommand(capsys: pytest.CaptureFixture[str]) -> None:
@@ -70,9 +70,7 @@ def test_console_script_is_installed() -> None:
         e.value for e in importlib.metadata.entry_points(group="console_scripts", name="rd2h")
     ]
     command = (
-        [exe]
-        if exe and installed == [ENTRY_POINT]
-        else [sys.executable, "-m", "rd2h_runtime.tools.cli"]
+        [exe] if exe and installed == [ENTRY_POINT] else [sys.executable, "-m", "rd2h_app.cli"]
     )
     proc = subprocess.run(
         [*command, "--help"], capture_output=True, text=True, timeout=60, check=False, cwd=ROOT

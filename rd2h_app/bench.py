@@ -16,7 +16,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from rd2h_runtime.tools import netns
+from rd2h_runtime.testing import netns
 
 
 def default_dir() -> Path:

@@ -17,7 +17,7 @@ Decode or Prefill. When both are over the parent is removed: nothing stays behin
 A parent fails once (Prefill answered an error, timed out, or the rendezvous did not
 arrive in time); the client handler waits on :attr:`Parent.failed` to stop the Decode
 exchange early. A parent's phase changes only by firing the declared
-:data:`~rd2h_runtime.proxy.phases.PROXY_REQUEST` machine, whose effects are bound to the
+:data:`~rd2h_proxy.phases.PROXY_REQUEST` machine, whose effects are bound to the
 registry's ``_fx_*`` handlers at the bottom of this module.
 """
 
@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final, NoReturn
 
 from rd2h_protocol.machines import NO_EFFECT, no_effect
-from rd2h_runtime.proxy.phases import (
+from rd2h_proxy.phases import (
     EFFECT_DISPATCH,
     EFFECT_FAIL,
     EFFECT_RECORD,

@@ -448,7 +448,7 @@ def _child_args(
     timeout_s: float, options: dict[str, Any] | None,
 ) -> list[str]:  # fmt: skip
     args = [
-        sys.executable, "-m", "rd2h_runtime.tools.check_read", "--backend", backend,
+        sys.executable, "-m", "rd2h_runtime.testing.check_read", "--backend", backend,
         "--role", role, "--host", host, "--port", str(port), "--size", str(size),
         "--chunk", str(chunk), "--seed", str(seed), "--timeout", str(timeout_s),
     ]  # fmt: skip

@@ -2,9 +2,9 @@
 
 A client request goes to a Decode node first; Decode posts one rendezvous per child request
 to the proxy's ``/v1/metaserver``; once all have arrived the proxy dispatches the original
-request once, in the background, to a Prefill node. See :mod:`rd2h_runtime.proxy.server`.
+request once, in the background, to a Prefill node. See :mod:`rd2h_proxy.server`.
 
-Only :mod:`rd2h_runtime.proxy.config` is imported eagerly; the server (and aiohttp, from
+Only :mod:`rd2h_proxy.config` is imported eagerly; the server (and aiohttp, from
 the ``proxy`` extra) is imported when first used.
 """
 
@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from rd2h_protocol.errors import ConfigError, MissingExtra
-from rd2h_runtime.proxy.config import Backend, ProxyConfig, build_parser, config_from_args
+from rd2h_proxy.config import Backend, ProxyConfig, build_parser, config_from_args
 
 if TYPE_CHECKING:
     from aiohttp import web
@@ -26,8 +26,8 @@ __all__ = ["Backend", "ProxyConfig", "build_parser", "config_from_args", "create
 
 
 def create_app(config: ProxyConfig) -> web.Application:
-    """The proxy as an aiohttp application; see :func:`rd2h_runtime.proxy.server.create_app`."""
-    from rd2h_runtime.proxy.server import create_app as _create_app
+    """The proxy as an aiohttp application; see :func:`rd2h_proxy.server.create_app`."""
+    from rd2h_proxy.server import create_app as _create_app
 
     return _create_app(config)
 
@@ -48,7 +48,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{parser.prog}: error: {exc}", file=sys.stderr)
         return 2
     try:
-        from rd2h_runtime.proxy.server import run
+        from rd2h_proxy.server import run
     except MissingExtra as exc:
         print(f"{parser.prog}: error: {exc}", file=sys.stderr)
         return 2

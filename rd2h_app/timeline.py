@@ -27,19 +27,17 @@ import argparse
 import base64
 import bisect
 import collections
-import glob
 import importlib
 import json
-import os
 import statistics
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from rd2h_protocol.checker.traces import Stream, load_or_say, load_streams
 from rd2h_protocol.wire.codec import decode
 from rd2h_protocol.wire.messages import ReadReadyBatch
-from rd2h_runtime.trace import frame_summary
 
 __all__ = [
     "Stream",
@@ -57,105 +55,6 @@ __all__ = [
 TRACK_CONTROL = 1
 TRACK_GATE = 2
 TRACK_READS = 3
-
-
-@dataclass
-class Stream:
-    """The records of one worker's trace (all parts found, in order)."""
-
-    header: dict[str, Any]
-    records: list[dict[str, Any]]
-    paths: list[str]
-    parts: list[int]
-
-    @property
-    def role(self) -> str:
-        return str(self.header["role"])
-
-    @property
-    def rank(self) -> int:
-        return int(self.header["rank"])
-
-    @property
-    def domain(self) -> tuple[str, str]:
-        return (str(self.header.get("host", "")), str(self.header.get("boot", "")))
-
-    @property
-    def label(self) -> str:
-        return f"{self.role} r{self.rank} (pid {self.header.get('pid')})"
-
-    @property
-    def complete(self) -> bool:
-        """Every part from the first one is here (a replay needs that)."""
-        return self.parts == list(range(len(self.parts)))
-
-
-def expand(paths: Iterable[str]) -> list[str]:
-    """Files as given; directories replaced by the ``*.ndjson`` files in them."""
-    out: list[str] = []
-    for p in paths:
-        if os.path.isdir(p):
-            out += sorted(glob.glob(os.path.join(p, "*.ndjson")))
-        else:
-            out.append(p)
-    return out
-
-
-def load_streams(paths: Iterable[str]) -> list[Stream]:
-    """Read trace files (or directories of them) and join the parts of each worker."""
-    parts: dict[str, list[tuple[int, str, dict[str, Any], list[dict[str, Any]]]]] = (
-        collections.defaultdict(list)
-    )
-    for path in expand(paths):
-        with open(path, encoding="utf-8") as f:
-            lines = [line for line in f if line.strip()]
-        if not lines:
-            continue
-        header = json.loads(lines[0])
-        if header.get("k") != "hdr":
-            raise ValueError(f"{path}: the first line is not a trace header")
-        records = []
-        for n, line in enumerate(lines[1:], start=2):
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as exc:
-                if n == len(lines) and not line.endswith("\n"):
-                    break  # a line being written (a live trace) or cut by a kill
-                raise ValueError(f"{path}:{n}: not JSON ({exc})") from exc
-            rec["_line"] = f"{os.path.basename(path)}:{n}"
-            inp = rec.get("in")
-            if inp is not None and "msg" not in inp:
-                # The writer leaves decoding the frame to here (it is not cheap).
-                frame = base64.b64decode(rec["a"]["frame"])
-                inp.update(frame_summary(frame))
-            records.append(rec)
-        parts[header["stream"]].append((int(header.get("part", 0)), path, header, records))
-    streams = []
-    for key in sorted(parts):
-        items = sorted(parts[key], key=lambda x: x[0])
-        streams.append(
-            Stream(
-                header=items[0][2],
-                records=[r for item in items for r in item[3]],
-                paths=[item[1] for item in items],
-                parts=[item[0] for item in items],
-            )
-        )
-    return streams
-
-
-def load_or_say(prog: str, paths: Iterable[str]) -> list[Stream] | None:
-    """:func:`load_streams` for command ``prog``: None, said on stderr, when the traces
-    cannot be read or there are none."""
-    try:
-        streams = load_streams(paths)
-    except (OSError, ValueError) as exc:
-        print(f"{prog}: {exc}", file=sys.stderr)
-        return None
-    if not streams:
-        print(f"{prog}: no trace files found", file=sys.stderr)
-        return None
-    return streams
 
 
 # -- links and frame pairs -----------------------------------------------------------------------
@@ -662,11 +561,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args_in = list(sys.argv[1:] if argv is None else argv)
     if args_in and args_in[0] == "check":
-        from rd2h_runtime.tools.trace_check import main as check_main
+        from rd2h_protocol.checker.replay import main as check_main
 
         return check_main(args_in[1:])
     if args_in and args_in[0] == "requests":
-        from rd2h_runtime.tools.breakdown import main as requests_main
+        from rd2h_app.breakdown import main as requests_main
 
         return requests_main(args_in[1:])
     args = build_parser().parse_args(args_in)

@@ -10,11 +10,11 @@ as threads, because the Decode main pool is one TP-shared buffer). Engines run i
 spawn (nixl, mooncake: real bytes between processes), driven through a pipe by
 :class:`EngineProcess`. Sockets are on 127.0.0.1 with ports chosen at run time, unless a
 spec names its ``host`` (and, for Decode, its ``port``); a child engine can also run in a
-network namespace of its own (``netns``, see :mod:`rd2h_runtime.tools.netns`), so that two
+network namespace of its own (``netns``, see :mod:`rd2h_runtime.testing.netns`), so that two
 engines on one machine talk over a real link as two hosts would.
 
 Decode verifies every destination byte against the pattern Prefill wrote
-(:meth:`~rd2h_runtime.tools.synthetic.DecodeDestinations.verify`). ``rd2h demo`` and the
+(:meth:`~rd2h_runtime.testing.synthetic.DecodeDestinations.verify`). ``rd2h demo`` and the
 end-to-end tests drive these engines. The fault knobs of the specs (a Decode read delay, a
 Decode that SIGKILLs itself when a given read starts, a Prefill that SIGKILLs itself after
 publishing a given layer, a layout mismatch, a compute path that writes before its gate
@@ -44,8 +44,8 @@ from rd2h_protocol.wire.messages import ALL_CAPABILITIES
 from rd2h_runtime.control import BindError, ControlOptions
 from rd2h_runtime.decode import MAX_BATCHED_READS, DecodeWorker, Outcome
 from rd2h_runtime.prefill import PrefillWorker
-from rd2h_runtime.tools.netns import enter_host
-from rd2h_runtime.tools.synthetic import (
+from rd2h_runtime.testing.netns import enter_host
+from rd2h_runtime.testing.synthetic import (
     BlockAllocator,
     DecodeDestinations,
     Mismatch,

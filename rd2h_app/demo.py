@@ -13,8 +13,6 @@ byte against what Prefill wrote; the command exits non-zero on any mismatch or f
 from __future__ import annotations
 
 import argparse
-import contextlib
-import importlib
 import json
 import os
 import statistics
@@ -24,9 +22,10 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from rd2h_app.progress import progress_bar
 from rd2h_protocol.errors import ProtocolError
-from rd2h_runtime.tools.engines import DecodeResult, DecodeSpec, EngineProcess, PrefillSpec
-from rd2h_runtime.tools.synthetic import RequestSpec, SyntheticModel, chunk_steps
+from rd2h_runtime.testing.engines import DecodeResult, DecodeSpec, EngineProcess, PrefillSpec
+from rd2h_runtime.testing.synthetic import RequestSpec, SyntheticModel, chunk_steps
 
 BACKENDS = ("nixl", "mooncake", "memfabric", "cma")
 MIB = 1 << 20
@@ -163,26 +162,6 @@ def check_args(args: argparse.Namespace) -> None:
 def waves(items: Sequence[RequestSpec], size: int) -> Iterator[Sequence[RequestSpec]]:
     for i in range(0, len(items), size):
         yield items[i : i + size]
-
-
-@contextlib.contextmanager
-def progress_bar(total: int, enabled: bool, description: str = "moving KV") -> Iterator[Any]:
-    """A rich progress bar on stderr (a no-op when disabled or not a terminal)."""
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    console = Console(stderr=True)
-    with Progress(
-        TextColumn("{task.description}"),
-        BarColumn(bar_width=30),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=console,
-        transient=True,
-        disable=not enabled or not console.is_terminal,
-    ) as progress:
-        task = progress.add_task(description, total=total)
-        yield lambda n=1: progress.advance(task, n)
 
 
 def run(args: argparse.Namespace) -> DemoReport:
@@ -335,10 +314,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     rest = list(sys.argv[1:] if argv is None else argv)
     if "--vllm" in rest:
         rest.remove("--vllm")
-        # Imported by name: rd2h_runtime never imports rd2h_vllm (vLLM) at module level.
-        serving = importlib.import_module("rd2h_vllm.serving")
-        code: int = serving.main(rest)
-        return code
+        # Imported on use: only --vllm needs the serving harness (and httpx).
+        from rd2h_app.vllm_demo import main as vllm_main
+
+        return vllm_main(rest)
     args = build_parser().parse_args(rest)
     check_args(args)
     try:

@@ -20,11 +20,12 @@ from typing import Any
 import msgspec
 import pytest
 
+from rd2h_app import breakdown, timeline
+from rd2h_protocol.checker import replay as trace_check
 from rd2h_protocol.producer import ProducerConfig, ProducerEndpoint
 from rd2h_runtime import trace
-from rd2h_runtime.tools import breakdown, timeline, trace_check
-from rd2h_runtime.tools.engines import DecodeEngine, DecodeSpec, PrefillEngine, PrefillSpec
-from rd2h_runtime.tools.synthetic import RequestSpec, SyntheticModel
+from rd2h_runtime.testing.engines import DecodeEngine, DecodeSpec, PrefillEngine, PrefillSpec
+from rd2h_runtime.testing.synthetic import RequestSpec, SyntheticModel
 
 SMALL = [
     "--prefill-tp", "2", "--decode-tp", "1", "--requests", "3", "--wave", "2",
@@ -94,7 +95,7 @@ def test_demo_trace_builds_a_timeline_and_replays(
 ) -> None:
     trace_dir = tmp_path / "trace"
     proc = subprocess.run(
-        [sys.executable, "-m", "rd2h_runtime.tools.cli", "demo", *SMALL, "--trace", str(trace_dir)],
+        [sys.executable, "-m", "rd2h_app.cli", "demo", *SMALL, "--trace", str(trace_dir)],
         capture_output=True,
         text=True,
         timeout=150,

@@ -23,6 +23,7 @@ from typing import Any
 
 import httpx
 
+from rd2h_app.progress import progress_bar
 from rd2h_vllm.serving.client import (
     Completion,
     CompletionError,
@@ -99,8 +100,6 @@ def _status(console: Any, text: str) -> contextlib.AbstractContextManager[Any]:
 
 def run(args: argparse.Namespace, log_dir: Path, console: Any) -> VllmDemoReport:
     """Build, start, compare (see the module docstring); ``console`` None: no progress."""
-    from rd2h_runtime.tools.demo import progress_bar
-
     model = build_model(log_dir / "model", args.model, seed=args.seed)
     report = VllmDemoReport(
         model=f"{model.name} ({model.architecture}, {model.num_layers} layers)",

@@ -13,19 +13,19 @@ from collections.abc import Sequence
 
 # name -> (module exposing main(argv), one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "demo": ("rd2h_runtime.tools.demo", "end-to-end Prefill/Decode transfer on this machine"),
+    "demo": ("rd2h_app.demo", "end-to-end Prefill/Decode transfer on this machine"),
     "check-read": (
-        "rd2h_runtime.tools.check_read",
+        "rd2h_runtime.testing.check_read",
         "two-endpoint read check of a transfer backend",
     ),
     "bench": (
-        "rd2h_runtime.tools.bench",
+        "rd2h_app.bench",
         "run the benchmarks in benchmarks/ and print their ratios",
     ),
     "spec": ("rd2h_protocol.spec", "regenerate (or --check) the protocol reference in specs/"),
-    "proxy": ("rd2h_runtime.proxy", "OpenAI-compatible Prefill/Decode proxy with metaserver"),
+    "proxy": ("rd2h_proxy", "OpenAI-compatible Prefill/Decode proxy with metaserver"),
     "trace": (
-        "rd2h_runtime.tools.timeline",
+        "rd2h_app.timeline",
         "merge protocol traces into a timeline ('rd2h trace check': replay them; "
         "'rd2h trace requests': each request's stages)",
     ),

@@ -14,7 +14,7 @@ likes. :class:`ConnectionGuard` sits between asyncio and aiohttp's per-connectio
   kept-alive connection is idle, which aiohttp's ``keepalive_timeout`` bounds.
 
 The request body has its own deadline, kept by the handlers that read it
-(:attr:`~rd2h_runtime.proxy.config.ProxyConfig.body_timeout_s`).
+(:attr:`~rd2h_proxy.config.ProxyConfig.body_timeout_s`).
 
 Serve an application through :class:`GuardedSite` (instead of ``web.TCPSite``) for the
 guard to see its connections; without it the middleware's reports find no connection and
@@ -34,7 +34,7 @@ from typing import cast
 import msgspec
 from aiohttp import web
 
-from rd2h_runtime.proxy.config import http_base
+from rd2h_proxy.config import http_base
 
 log = logging.getLogger("rd2h.proxy")
 

@@ -6,7 +6,7 @@ Flow of one client request (the *parent*)
 -----------------------------------------
 1. ``POST /v1/completions`` or ``/v1/chat/completions`` arrives. Its X-Request-Id (or a
    fresh one) names the parent; the child ids Decode will use are derived from it
-   (:mod:`rd2h_runtime.proxy.payloads`). The request goes to the least-loaded Decode node
+   (:mod:`rd2h_proxy.payloads`). The request goes to the least-loaded Decode node
    with ``kv_transfer_params`` asking for a remote prefill, naming our metaserver URL and
    declaring it idempotent (:data:`~rd2h_protocol.rendezvous.METASERVER_IDEMPOTENT_KEY`).
    Decode's answer (status, body, or an SSE stream chunk by chunk) goes back to the client.
@@ -25,12 +25,12 @@ Flow of one client request (the *parent*)
 
 Hostile clients
 ---------------
-Client connections go through a :class:`~rd2h_runtime.proxy.connections.ConnectionGuard`
+Client connections go through a :class:`~rd2h_proxy.connections.ConnectionGuard`
 (served by :func:`start`): at most ``max_connections`` are open, and a request head must be
 complete within ``header_timeout_s``. A body must arrive whole within ``body_timeout_s``
 (else 408 and the connection is closed) and may not exceed ``max_body_bytes`` (413); a JSON
-body nested deeper than :data:`~rd2h_runtime.proxy.payloads.MAX_JSON_DEPTH`, or made of
-more than :data:`~rd2h_runtime.proxy.payloads.MAX_JSON_CONTAINERS` arrays and objects, is
+body nested deeper than :data:`~rd2h_proxy.payloads.MAX_JSON_DEPTH`, or made of
+more than :data:`~rd2h_proxy.payloads.MAX_JSON_CONTAINERS` arrays and objects, is
 a 400. A body is held once as bytes until it is decoded, then only as the decoded request
 plus one encoded copy at a time for the backend it is being sent to.
 
@@ -60,9 +60,9 @@ from rd2h_protocol.rendezvous import (
     MalformedRendezvous,
     parse_rendezvous_json,
 )
-from rd2h_runtime.proxy.balancer import LeastLoaded, Node
-from rd2h_runtime.proxy.config import ProxyConfig
-from rd2h_runtime.proxy.payloads import (
+from rd2h_proxy.balancer import LeastLoaded, Node
+from rd2h_proxy.config import ProxyConfig
+from rd2h_proxy.payloads import (
     CHAT_COMPLETIONS,
     COMPLETIONS,
     BadRequest,
@@ -73,8 +73,8 @@ from rd2h_runtime.proxy.payloads import (
     decode_json_object,
     prefill_body,
 )
-from rd2h_runtime.proxy.phases import P_RECV_DISPATCH_FAILED, P_TIMER_RENDEZVOUS_EXPIRED
-from rd2h_runtime.proxy.registry import (
+from rd2h_proxy.phases import P_RECV_DISPATCH_FAILED, P_TIMER_RENDEZVOUS_EXPIRED
+from rd2h_proxy.registry import (
     Outcome,
     Parent,
     ParentInFlight,
@@ -89,7 +89,7 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise MissingExtra("aiohttp", "proxy") from exc
 
-from rd2h_runtime.proxy.connections import ConnectionGuard, GuardedSite
+from rd2h_proxy.connections import ConnectionGuard, GuardedSite
 
 log = logging.getLogger("rd2h.proxy")
 

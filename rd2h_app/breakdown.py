@@ -1,7 +1,7 @@
 """``rd2h trace requests``: where each request's KV transfer spent its time, stage by stage.
 
 Joins, per request, what the traces of both roles hold (:mod:`rd2h_runtime.trace`; all
-on the reference clock of :func:`~rd2h_runtime.tools.timeline.build_timeline`):
+on the reference clock of :func:`~rd2h_app.timeline.build_timeline`):
 
 * the vLLM connector's scheduler marks (a stream of role ``marks`` per server): Decode's
   ``admitted`` (blocks allocated, the load arranged), ``loaded`` (every worker reported the
@@ -9,7 +9,7 @@ on the reference clock of :func:`~rd2h_runtime.tools.timeline.build_timeline`):
   ``answered`` (the request finished on Prefill);
 * the endpoints' calls: Decode's ``add_request`` (the worker registers the load) and the
   ``read_finished`` that finished the request; Prefill's ``claim`` (Prefill-first);
-* each readiness as it went (:class:`~rd2h_runtime.tools.timeline.Transfer`): published,
+* each readiness as it went (:class:`~rd2h_app.timeline.Transfer`): published,
   received, read, replied.
 
 A request answered by Prefill and then claimed by Decode is Prefill-first (a router's
@@ -28,7 +28,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from rd2h_runtime.tools.timeline import (
+from rd2h_app.timeline import (
     Timeline,
     build_timeline,
     load_or_say,
@@ -37,7 +37,7 @@ from rd2h_runtime.tools.timeline import (
     save_png,
     say_png,
 )
-from rd2h_runtime.trace import MARKS_ROLE
+from rd2h_protocol.checker.traces import MARKS_ROLE
 
 __all__ = [
     "FLOW_STAGES",

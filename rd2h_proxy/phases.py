@@ -7,7 +7,7 @@ A client request (the *parent*) goes through one **Proxy request** machine:
 post completing the set started the one Prefill dispatch) -> ``dispatched`` (Prefill
 answered success), or ``failed`` (the rendezvous did not arrive in time, or the dispatch
 failed). The first failure wins: a later one changes nothing. A post for a failed parent
-is refused (410). :class:`~rd2h_runtime.proxy.registry.Registry` resolves the guards
+is refused (410). :class:`~rd2h_proxy.registry.Registry` resolves the guards
 (whether a post completes the set) and binds each named effect to its handler; this
 module holds every rule that changes a parent's phase.
 
