@@ -61,7 +61,7 @@ from rd2h_protocol.errors import ProtocolError
 from rd2h_protocol.wire.codec import decode, encode
 from rd2h_protocol.wire.layout import encode_layer_metadata
 from rd2h_protocol.wire.messages import MfMeta, ReadReadyBatch, ReadReq
-from rd2h_runtime.decode import INLINE_READ_BYTES
+from rd2h_runtime.decode_reads import INLINE_READ_BYTES
 from rd2h_runtime.planning import build_descriptors
 from rd2h_runtime.transfer.base import BlockingCallRunner
 

@@ -32,10 +32,11 @@ hold (:meth:`DecodeWorker._inline_ok`):
   turns the path off);
 * the plan is small: at most ``inline_read_bytes`` (1 MiB by default) and at most
   :data:`INLINE_READ_PIECES` block pieces (an upper bound on its descriptors). On loopback
-  and cma such a read takes about 0.2 ms or less, about what decoding and planning one
-  large (64x256) readiness costs the dispatcher anyway; that is the longest the other
-  peers' frames wait behind it. The dispatcher charges that time to the frame's peer, so
-  the fair inbox counts it against the peer that asked for the read;
+  and cma such a read costs about what decoding and planning one large readiness costs
+  the dispatcher anyway (``python -m benchmarks.bench_control_floor`` prints both); that
+  is the longest the other peers' frames wait behind it. The dispatcher charges that time
+  to the frame's peer, so the fair inbox counts it against the peer that asked for the
+  read;
 * the read worker has nothing queued or running (``_pending_reads`` is 0), so an inline
   read never overtakes a queued one nor takes a plan from a batch it could have joined;
 * the frame's call started exactly one read (a handshake that serves several parked
@@ -60,7 +61,9 @@ block (the ROUTER queues frames, the read queue is unbounded and holds at most o
 per readiness message). Lock order: this worker's lock, then the server's internal lock;
 ``_read_lock`` is never held together with either.
 The lock, the calls, the trace and the lifecycle are
-:class:`~rd2h_runtime.worker.EndpointWorker`'s.
+:class:`~rd2h_runtime.worker.EndpointWorker`'s. How one read runs (batching, bounds,
+records) is :mod:`rd2h_runtime.decode_reads`; the log of refused peer input
+:mod:`rd2h_runtime.decode_refusals`.
 
 ``read_timeout_s`` should stay below half the Prefill lease: a read that starts at its
 ``start_by`` then ends (or is abandoned) before the lease can expire on Prefill, so
@@ -75,12 +78,9 @@ import logging
 import queue
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Final
-
-import numpy as np
+from typing import Final
 
 from rd2h_protocol.consumer import (
     ConsumerConfig,
@@ -94,7 +94,7 @@ from rd2h_protocol.consumer import (
     SendAbort,
     StartRead,
 )
-from rd2h_protocol.errors import ErrorCode, LocalProtocolError, ProtocolError, TransferError
+from rd2h_protocol.errors import ErrorCode, LocalProtocolError, TransferError
 from rd2h_protocol.plan import ReadPlan
 from rd2h_protocol.wire.codec import encode
 from rd2h_protocol.wire.layout import DestinationLayout
@@ -107,6 +107,17 @@ from rd2h_runtime.control import (
     ServerEvent,
     TimerDue,
 )
+from rd2h_runtime.decode_reads import (
+    CALLER_THREAD_BACKENDS,
+    INLINE_READ_BYTES,
+    INLINE_READ_PIECES,
+    MAX_BATCHED_READS,
+    DecodeMetrics,
+    ReadRecord,
+    plan_within,
+    read_batch,
+)
+from rd2h_runtime.decode_refusals import RefusalLog
 from rd2h_runtime.planning import Descriptors, build_descriptors
 from rd2h_runtime.trace import open_tracer
 from rd2h_runtime.transfer import TransferBackend
@@ -125,34 +136,6 @@ __all__ = [
 log = logging.getLogger("rd2h_runtime.decode")
 
 _OUTLIVE_POLL_S: Final = 5.0  # how often a failed read's running engine call is checked
-#: By default, at most this many queued plans (layers) go into one engine read.
-MAX_BATCHED_READS: Final = 64
-#: By default, the dispatcher runs a plan of at most this many bytes itself (an inline
-#: read, see the module docstring) on a backend that reads on the calling thread.
-INLINE_READ_BYTES: Final = 1 << 20
-#: An inline read's plan has at most this many block pieces (a block of one component of
-#: one request: an upper bound on its descriptors, which coalescing only lowers).
-INLINE_READ_PIECES: Final = 256
-#: Backends whose ``read`` runs on the calling thread and leaves nothing running once it
-#: returned or raised: inline reads are on for them by default.
-_CALLER_THREAD_BACKENDS: Final = frozenset({"loopback", "cma"})
-# ConsumerStats counters of peer input that was refused or dropped: logged per peer.
-_REFUSALS: Final = (
-    "malformed_frames",
-    "dropped",
-    "unexpected_messages",
-    "protocol_errors",
-    "park_overflow",
-    "park_budget_refusals",
-    "sessions_forgotten",
-    "refused_handshakes",
-)
-_REFUSAL_LOG_S: Final = 10.0  # at most one such WARNING per peer this often
-_REFUSAL_LOG_PEERS: Final = 1024  # peers remembered for that
-
-
-class _PlannerBug(Exception):
-    """The descriptors of a read do not cover exactly the bytes its plan owns."""
 
 
 @dataclass(slots=True)
@@ -162,34 +145,6 @@ class _Ran:
 
     batch: list[StartRead]
     errors: list[TransferError | None]
-
-
-def _within(plan: ReadPlan, max_bytes: int, max_pieces: int) -> bool:
-    """Whether ``plan`` moves at most ``max_bytes`` in at most ``max_pieces`` block pieces
-    (a piece is one block of one component of one request, so the pieces bound the plan's
-    descriptors from above). Stops at the first request past either bound."""
-    main, idx = plan.main, plan.indexer
-    main_block = sum(c.block_bytes for c in main)
-    idx_block = sum(c.block_bytes for c in idx)
-    nbytes = pieces = 0
-    for r in plan.requests:
-        m, i = len(r.main_src), len(r.indexer_src)
-        nbytes += m * main_block + i * idx_block
-        pieces += m * len(main) + i * len(idx)
-        if nbytes > max_bytes or pieces > max_pieces:
-            return False
-    return True
-
-
-def _joined(descs: Sequence[Descriptors]) -> tuple[Any, Any, Any]:
-    """The descriptor arrays of several plans as one read's (no copy for a single plan)."""
-    if len(descs) == 1:
-        return descs[0].remote_addrs, descs[0].local_addrs, descs[0].lengths
-    return (
-        np.concatenate([d.remote_addrs for d in descs]),
-        np.concatenate([d.local_addrs for d in descs]),
-        np.concatenate([d.lengths for d in descs]),
-    )
 
 
 def destination_regions(layers: Iterable[tuple[str, DestinationLayout]]) -> list[tuple[int, int]]:
@@ -210,42 +165,6 @@ class Outcome:
     code: ErrorCode | None = None
     message: str = ""
     at: float = 0.0  # time.monotonic() when the endpoint reported it
-
-
-@dataclass(frozen=True, slots=True)
-class ReadRecord:
-    """One plan's read as the read worker ran it (for per-layer metrics).
-
-    ``nbytes`` and ``descriptors`` are 0 when the read failed before it was planned;
-    ``error`` is None on success. ``seconds``: the plan's share of its engine read's time,
-    by bytes (an engine read moves several plans when they were queued together), so that
-    bytes over seconds summed over plans is the rate while reading.
-    """
-
-    layer_name: str
-    nbytes: int
-    descriptors: int
-    seconds: float
-    error: TransferError | None
-
-
-@dataclass(slots=True)
-class DecodeMetrics:
-    """Runtime counters of one worker (the endpoint's own are in ``stats``)."""
-
-    reads: int = 0
-    read_failures: int = 0
-    reads_not_started: int = 0  # start_by passed while queued
-    read_bytes: int = 0
-    descriptors: int = 0
-    plan_s: float = 0.0  # total time turning plans into descriptors
-    read_s: float = 0.0  # total time inside backend.read
-    inline_reads: int = 0  # reads the dispatcher ran (or found too late) itself: module doc
-    frames_sent: int = 0
-    send_failures: int = 0  # replies the server refused or could not deliver
-    handler_errors: int = 0  # exceptions caught on the dispatcher or the read worker
-    reads_outlived: int = 0  # failed reads whose engine call ran on (reported when it ended)
-    batched_reads: int = 0  # engine reads that moved several plans (layers) at once
 
 
 class DecodeWorker(EndpointWorker[Output, Outcome, bytes, ServerEvent]):
@@ -299,7 +218,7 @@ class DecodeWorker(EndpointWorker[Output, Outcome, bytes, ServerEvent]):
             raise LocalProtocolError(f"max_batched_reads must be >= 1, got {max_batched_reads}")
         self._max_batch = max_batched_reads
         if inline_read_bytes is None:
-            inline_read_bytes = INLINE_READ_BYTES if backend.name in _CALLER_THREAD_BACKENDS else 0
+            inline_read_bytes = INLINE_READ_BYTES if backend.name in CALLER_THREAD_BACKENDS else 0
         if inline_read_bytes < 0:
             raise LocalProtocolError(f"inline_read_bytes must be >= 0, got {inline_read_bytes}")
         #: The largest plan (bytes) the dispatcher reads itself; 0: never. Read under the lock.
@@ -325,8 +244,7 @@ class DecodeWorker(EndpointWorker[Output, Outcome, bytes, ServerEvent]):
         # only).
         self._inline: StartRead | None = None
         self.metrics = DecodeMetrics()
-        # peer -> (when its refused input was last logged, refusals held back since)
-        self._refusals_logged: OrderedDict[bytes, tuple[float, int]] = OrderedDict()
+        self._refusals = RefusalLog()
         self._reader = threading.Thread(
             target=self._read_loop, name=f"rd2h-decode-reader-{config.d_rank}", daemon=True
         )
@@ -497,7 +415,7 @@ class DecodeWorker(EndpointWorker[Output, Outcome, bytes, ServerEvent]):
             return False
         if sum(isinstance(out, StartRead) for out in outputs) != 1:
             return False
-        return _within(start.plan, limit, INLINE_READ_PIECES)
+        return plan_within(start.plan, limit, INLINE_READ_PIECES)
 
     def _on_event(self, event: ServerEvent) -> None:
         """The dispatcher: the event (under the lock), then the inline read it started."""
@@ -549,7 +467,7 @@ class DecodeWorker(EndpointWorker[Output, Outcome, bytes, ServerEvent]):
         """The ROUTER's dispatcher thread: frames, timers, delivery failures."""
         reported: list[Outcome] = []
         if isinstance(event, PeerFrame):
-            before = self._refusal_counts()
+            before = RefusalLog.counts(self._endpoint)
             outs = self._traced(
                 lambda t: self._endpoint.receive(event.peer, event.payload, t),
                 now,
@@ -561,7 +479,7 @@ class DecodeWorker(EndpointWorker[Output, Outcome, bytes, ServerEvent]):
                 reported = self._execute(outs)
             finally:
                 self._dispatching = False
-            self._log_refusals(event.peer, before, now)
+            self._refusals.note(self._endpoint, event.peer, before, now)
         elif isinstance(event, TimerDue):
             reported = self._timer_due(now)
         elif isinstance(event, PeerSendFailed):
@@ -569,37 +487,6 @@ class DecodeWorker(EndpointWorker[Output, Outcome, bytes, ServerEvent]):
         elif isinstance(event, ConnectionEvent):
             pass  # Prefill's leases and re-handshakes deal with lost connections
         return reported
-
-    def _refusal_counts(self) -> tuple[int, ...]:
-        stats = self._endpoint.stats
-        return tuple(getattr(stats, name) for name in _REFUSALS)
-
-    def _log_refusals(self, peer: bytes, before: tuple[int, ...], now: float) -> None:
-        """A rate-limited WARNING naming ``peer`` and what of its input was refused (at
-        most one per peer per ``_REFUSAL_LOG_S``; the ones held back are counted in it)."""
-        after = self._refusal_counts()
-        if after == before:
-            return
-        what = [
-            f"{name} +{a - b}"
-            for name, a, b in zip(_REFUSALS, after, before, strict=True)
-            if a != b
-        ]
-        last, held_back = self._refusals_logged.get(peer, (-_REFUSAL_LOG_S, 0))
-        if now - last < _REFUSAL_LOG_S:
-            self._refusals_logged[peer] = (last, held_back + 1)
-            return
-        self._refusals_logged[peer] = (now, 0)
-        self._refusals_logged.move_to_end(peer)
-        while len(self._refusals_logged) > _REFUSAL_LOG_PEERS:
-            self._refusals_logged.popitem(last=False)
-        log.warning(
-            "refused input from Prefill peer %r (session %s): %s%s",
-            peer,
-            self._endpoint.session_of_peer(peer) or "none",
-            ", ".join(what),
-            f" ({held_back} more refused frames from it not logged)" if held_back else "",
-        )
 
     def _read_loop(self) -> None:
         backlog: list[StartRead | _Ran | None] = []  # taken from the queue, not in this batch
@@ -689,96 +576,16 @@ class DecodeWorker(EndpointWorker[Output, Outcome, bytes, ServerEvent]):
     def _read_batch(
         self, batch: list[StartRead]
     ) -> tuple[list[TransferError | None], list[ReadRecord]]:
-        """Run the plans of ``batch`` (one Prefill session) as ONE engine read: the error
-        to report for each (None on success) and the records of the plans read. Never
-        raises. ``_read_lock`` held (by the read worker or the dispatcher).
-
-        A plan whose ``start_by`` passed is not started (its own error); the others share
-        the read's outcome, bounded by the earliest ``finish_by`` among them.
-        """
-        records: list[ReadRecord] = []
-        now = time.monotonic()
-        errors: list[TransferError | None] = [None] * len(batch)
-        started: list[int] = []
-        for i, item in enumerate(batch):
-            if item.may_start(now):
-                started.append(i)
-            else:
-                self.metrics.reads_not_started += 1
-                errors[i] = item.not_started(now)
-        if not started:
-            return errors, records
-        plans = [batch[i].plan for i in started]
-        finish_by = min((f for i in started if (f := batch[i].finish_by) is not None), default=None)
-        session = plans[0].session
-        descs: list[Descriptors] = []
-        start = time.monotonic()
-        try:
-            # Connecting touches no Prefill memory: it may take until the lease's end, and
-            # the read's own timeout starts after it.
-            connect_s = self._read_timeout_s
-            if finish_by is not None:
-                connect_s = max(connect_s, finish_by - start)
-            self._backend.connect(session, timeout_s=connect_s)
-            start = time.monotonic()
-            try:
-                for plan in plans:
-                    desc = self._planner(plan)
-                    planned, described = plan.total_bytes, desc.total_bytes
-                    if described != planned:
-                        # A planner bug must be loud: never report a read done that moved
-                        # less (or more) than its plan owns.
-                        raise _PlannerBug(
-                            f"read {plan.read_id}: the plan owns {planned} bytes but its "
-                            f"{len(desc)} descriptors cover {described}"
-                        )
-                    descs.append(desc)
-            finally:
-                self.metrics.plan_s += time.monotonic() - start
-            start = time.monotonic()
-            timeout_s = self._read_timeout_s
-            if finish_by is not None:
-                # Past finish_by Prefill may reuse the storage: reading on is worthless.
-                timeout_s = min(timeout_s, finish_by - start)
-            remote, local, lengths = _joined(descs)
-            try:
-                self._backend.read(session, remote, local, lengths, timeout_s=timeout_s)
-            finally:
-                self.metrics.read_s += time.monotonic() - start
-        except TransferError as exc:
-            error: TransferError | None = exc
-        except _PlannerBug as exc:
-            log.error("%s", exc)
-            error = TransferError(str(exc))
-        except ProtocolError as exc:
-            # A plan the planner refuses (addresses past 64 bits): fail the read, not the
-            # thread; retrying it cannot help.
-            error = TransferError(f"read {plans[0].read_id} could not be planned: {exc.message}")
-        except Exception as exc:
-            log.exception("read %d raised", plans[0].read_id)
-            error = TransferError(f"read {plans[0].read_id} raised {exc!r}")
-        else:
-            error = None
-        end = time.monotonic()
-        batch_bytes = sum(d.total_bytes for d in descs) if error is None else 0
-        for n, i in enumerate(started):
-            plan = plans[n]
-            errors[i] = error
-            nbytes = ndesc = 0
-            if error is None:
-                nbytes, ndesc = descs[n].total_bytes, len(descs[n])
-                self.metrics.reads += 1
-                self.metrics.read_bytes += nbytes
-                self.metrics.descriptors += ndesc
-            else:
-                self.metrics.read_failures += 1
-            share = nbytes / batch_bytes if batch_bytes else 1 / len(started)
-            records.append(ReadRecord(plan.layer_name, nbytes, ndesc, (end - start) * share, error))
-            if self._tracer is not None:
-                self._tracer.read(plan.read_id, plan.layer_name, start, end, nbytes, ndesc, error)
-        if len(started) > 1:
-            self.metrics.batched_reads += 1
-        return errors, records
+        """Run ``batch`` as one engine read (:func:`~rd2h_runtime.decode_reads.read_batch`);
+        ``_read_lock`` held (by the read worker or the dispatcher)."""
+        return read_batch(
+            batch,
+            backend=self._backend,
+            planner=self._planner,
+            read_timeout_s=self._read_timeout_s,
+            metrics=self.metrics,
+            tracer=self._tracer,
+        )
 
     def _observe_read(self, records: list[ReadRecord]) -> None:
         """Hand the reads just run to ``on_read`` (on the thread that ran them: the read

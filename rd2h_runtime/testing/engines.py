@@ -42,7 +42,8 @@ from rd2h_protocol.producer import DecodeTarget, ProducerConfig, RequestFinished
 from rd2h_protocol.wire.layout import DestinationLayout
 from rd2h_protocol.wire.messages import ALL_CAPABILITIES
 from rd2h_runtime.control import BindError, ControlOptions
-from rd2h_runtime.decode import MAX_BATCHED_READS, DecodeWorker, Outcome
+from rd2h_runtime.decode import DecodeWorker, Outcome
+from rd2h_runtime.decode_reads import MAX_BATCHED_READS
 from rd2h_runtime.prefill import PrefillWorker
 from rd2h_runtime.testing.netns import enter_host
 from rd2h_runtime.testing.synthetic import (

@@ -20,7 +20,8 @@ from rd2h_protocol.machines import NO_EFFECT, no_effect
 from rd2h_protocol.topology import map_prefill_rank
 from rd2h_runtime.claims import ClaimClient
 from rd2h_runtime.control import ControlOptions
-from rd2h_runtime.decode import DecodeWorker, Outcome, ReadRecord
+from rd2h_runtime.decode import DecodeWorker, Outcome
+from rd2h_runtime.decode_reads import ReadRecord
 from rd2h_runtime.transfer import TransferBackend
 from rd2h_vllm.config import Rd2hConfig
 from rd2h_vllm.destinations import (

@@ -16,7 +16,8 @@ from worker_pair import HOST, RecordingBackend, closing, decode_worker, prefill_
 
 from rd2h_protocol.errors import LocalProtocolError, TransferError
 from rd2h_protocol.producer import DecodeTarget
-from rd2h_runtime.decode import INLINE_READ_BYTES, INLINE_READ_PIECES, DecodeWorker
+from rd2h_runtime.decode import DecodeWorker
+from rd2h_runtime.decode_reads import INLINE_READ_BYTES, INLINE_READ_PIECES
 from rd2h_runtime.prefill import PrefillWorker
 from rd2h_runtime.transfer.base import U64Array
 from rd2h_runtime.transfer.loopback import LoopbackBackend

@@ -16,7 +16,8 @@ from rd2h_protocol.errors import ErrorCode, TransferError
 from rd2h_protocol.plan import ReadPlan
 from rd2h_protocol.producer import DecodeTarget, ProducerConfig
 from rd2h_runtime.control import BindError, ControlClosed
-from rd2h_runtime.decode import DecodeWorker, ReadRecord
+from rd2h_runtime.decode import DecodeWorker
+from rd2h_runtime.decode_reads import ReadRecord
 from rd2h_runtime.planning import Descriptors, build_descriptors
 from rd2h_runtime.prefill import PrefillWorker
 from rd2h_runtime.testing.engines import (
