@@ -7,8 +7,8 @@ message definitions and machine declarations).
 What is generated:
 
 * ``wire.md``: one table per message (position, name, type, default, version that added it);
-* ``machines.md``: a mermaid ``stateDiagram-v2``, the transition table and the guards per
-  machine;
+* ``machines.md``: a mermaid ``stateDiagram-v2``, the transition table (with the outputs
+  each effect may emit, where the machine declares them) and the guards per machine;
 * ``machines.json``: the same declarations, machine-readable;
 * ``invariants.md``: the properties the model checker proves;
 * ``api.md``: the public API of ``rd2h_protocol`` with its docstrings.
@@ -177,14 +177,26 @@ def render_machines(machines: Sequence[MachineSpec]) -> str:
         "effect bound to exactly one handler (`MachineSpec.bind`: the table drives the "
         "action), and any pair not listed below is refused as a protocol error. Guards are "
         "resolved by the endpoint before the lookup (the input chosen says which held); "
-        "each machine lists its guards and the method that resolves each.\n\n",
+        "each machine lists its guards and the method that resolves each. An endpoint "
+        "machine's table also lists the outputs each effect's handler may emit (what it "
+        "emits itself: an effect that fires another machine's row emits that row's outputs "
+        "through it); a test fails on any other.\n\n",
     ]
     for machine in machines:
         out.append(f"## {machine.name}\n\n{inspect.cleandoc(machine.doc)}\n\n")
         out.extend(line + "\n" for line in _mermaid(machine))
-        out.append("\n| state | input | effect | next state |\n|---|---|---|---|\n")
+        declared = machine.outputs is not None
+        if declared:
+            out.append(
+                "\n| state | input | effect | outputs | next state |\n|---|---|---|---|---|\n"
+            )
+        else:
+            out.append("\n| state | input | effect | next state |\n|---|---|---|---|\n")
         for (state, event), (effect, dest) in machine.table.items():
             shown = "" if effect == NO_EFFECT else f"`{effect}`"
+            if declared:
+                emits = ", ".join(f"`{t.__name__}`" for t in machine.outputs_of(effect))
+                shown += f" | {emits}"
             out.append(f"| {state} | `{event}` | {shown} | {dest} |\n")
         if machine.batched:
             names = ", ".join(f"`{event}`" for event in sorted(machine.batched))
@@ -210,6 +222,11 @@ def render_machines_json(machines: Sequence[MachineSpec]) -> str:
             "transitions": [dict(d) for d in m.transitions],
             "guards": {n: dataclasses.asdict(g) for n, g in m.guards.items()},
             "batched": sorted(m.batched),
+            **(
+                {}
+                if m.outputs is None
+                else {"outputs": {e: [t.__name__ for t in ts] for e, ts in m.outputs.items()}}
+            ),
         }
         for m in machines
     ]

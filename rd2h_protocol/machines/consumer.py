@@ -44,7 +44,8 @@ from typing import Final
 
 from rd2h_protocol.completion import CONTRIBUTOR_COMPLETION, CROSS_RANK_COMPLETION
 from rd2h_protocol.completion import GUARDS as COMPLETION_GUARDS
-from rd2h_protocol.machines.declare import Guard, MachineSpec, check_guards, stay
+from rd2h_protocol.events import Releasable, Reply, RequestDone, RequestFailed, StartRead
+from rd2h_protocol.machines.declare import NO_EFFECT, Guard, MachineSpec, check_guards, stay
 
 #: Every guard the Decode tables name: what it says and the method that resolves it.
 GUARDS: Final[dict[str, Guard]] = {
@@ -156,6 +157,19 @@ DECODE_REQUEST: Final = MachineSpec(
     ),
     initial=REQ_ALLOCATED,
     guards=GUARDS,
+    # A failed request's ABORT to its v2 peers goes out once per input (SendAbort, emitted
+    # by the endpoint after the handlers ran).
+    outputs={
+        NO_EFFECT: (),
+        EFFECT_ACCEPT: (),
+        EFFECT_ISOLATE: (),
+        EFFECT_PROGRESS: (),
+        EFFECT_REPORT_DONE: (RequestDone,),
+        EFFECT_FAIL: (RequestFailed,),
+        EFFECT_FAIL_RELEASE: (RequestFailed, Releasable),
+        EFFECT_FAIL_HOLD: (RequestFailed,),
+        EFFECT_RELEASE: (Releasable,),
+    },
     terminal=frozenset({REQ_RELEASED}),
     # A readiness, and the end of its read, concern every request it names: those inputs
     # are fired for the whole message, one table lookup per run of requests in one state.
@@ -291,6 +305,13 @@ DECODE_READINESS: Final = MachineSpec(
     states=(RD_RECEIVED, RD_PARKED, RD_READING, RD_REPLIED),
     initial=RD_RECEIVED,
     guards=GUARDS,
+    outputs={
+        EFFECT_PARK: (),
+        EFFECT_PROCESS: (),
+        EFFECT_START_READ: (StartRead,),
+        EFFECT_REPLY_DONE: (Reply,),
+        EFFECT_REPLY_FAILED: (Reply,),
+    },
     terminal=frozenset({RD_REPLIED}),
     transitions=(
         {
@@ -399,6 +420,17 @@ DECODE_SESSION: Final = MachineSpec(
     states=tuple(_ALL_SESSION_STATES),
     initial=SESSION_UNBOUND,
     guards=GUARDS,
+    outputs={
+        EFFECT_ACK_V1: (Reply,),
+        EFFECT_ACK_V2: (Reply,),
+        EFFECT_REFUSE_V1: (),
+        EFFECT_REFUSE_V2: (Reply,),
+        EFFECT_SERVE: (Reply,),  # a repeated seq answered from memory
+        EFFECT_APPLY_ABORT: (),
+        EFFECT_DROP: (),
+        EFFECT_REPLY_REFUSED: (),
+        EFFECT_REPLY_UNKNOWN_SESSION: (),
+    },
     transitions=(
         {
             "trigger": S_RECV_MF_META_V1,

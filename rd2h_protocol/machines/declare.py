@@ -33,6 +33,13 @@ their states and runs the bound handler once for the run, which gets the run's r
 instead of one. The rows are the same rows (the table, the diagram and the checker see
 no difference); only the handlers of a batched input's effects take a run, so an effect
 is reached by batched inputs only or by unbatched inputs only (checked at import).
+
+An endpoint machine also declares, per effect, the output types its handler may emit
+(``MachineSpec.outputs``; every effect named, :data:`NO_EFFECT` included where used): the
+"outputs" column of specs/machines.md, and a test drives the endpoints with each handler
+watched and fails on an output its effect does not declare (an output is attributed to the
+innermost handler running: one whose handler fires another machine's row does not declare
+what that row's handler emits).
 """
 
 from __future__ import annotations
@@ -81,6 +88,10 @@ class MachineSpec:
     #: Inputs fired for runs of records (:meth:`BoundMachine.fire_batch`); their effects'
     #: handlers take the run's records.
     batched: frozenset[str] = frozenset()
+    #: The output types each effect's handler may emit, by effect (every effect named; a
+    #: handler that emits nothing maps to ``()``). None: not declared (a machine whose
+    #: effects return to their caller instead of emitting outputs).
+    outputs: Mapping[str, tuple[type, ...]] | None = field(default=None, repr=False, compare=False)
     table: Mapping[tuple[str, str], tuple[str, str]] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -101,6 +112,7 @@ class MachineSpec:
                 table[key] = (decl.get("effect", NO_EFFECT), dest)
         object.__setattr__(self, "table", table)
         self._check_batched()
+        self._check_outputs()
         if self.guards:
             named = self.guard_names()
             missing = [g for g in named if g not in self.guards]
@@ -123,6 +135,22 @@ class MachineSpec:
                 f"{self.name}: effects {sorted(shared)} are reached by batched and unbatched "
                 "inputs alike"
             )
+
+    def _check_outputs(self) -> None:
+        """Declared outputs name exactly the effects the table uses."""
+        if self.outputs is None:
+            return
+        missing = self.effects - self.outputs.keys()
+        extra = self.outputs.keys() - self.effects
+        if missing or extra:
+            raise ValueError(
+                f"{self.name}: effects without declared outputs {sorted(missing)}, "
+                f"outputs declared for no effect {sorted(extra)}"
+            )
+
+    def outputs_of(self, effect: str) -> tuple[type, ...]:
+        """The output types ``effect``'s handler may emit (``()`` when none are declared)."""
+        return () if self.outputs is None else self.outputs[effect]
 
     @property
     def inputs(self) -> tuple[str, ...]:

@@ -1,6 +1,9 @@
 """The Prefill side's state machines, declared once as data.
 
-Over 600 lines: four declarations and their guards, data read as one reference.
+The storage-slot gate, layer publication and Prefill request tables live here; the kept
+request's in :mod:`~rd2h_protocol.machines.kept`, the connection handshake's in
+:mod:`~rd2h_protocol.machines.handshake` and the guards in
+:mod:`~rd2h_protocol.machines.producer_guards`, every name re-exported from here.
 
 Theory of operation
 -------------------
@@ -58,110 +61,13 @@ from __future__ import annotations
 
 from typing import Final
 
-from rd2h_protocol.machines.declare import Guard, MachineSpec, check_guards, stay
-
-#: Every guard the Prefill tables name: what it says and the method that resolves it.
-GUARDS: Final[dict[str, Guard]] = {
-    # storage-slot gate
-    "others_outstanding": Guard(
-        "other publications against the storage are still outstanding",
-        "ProducerEndpoint._end_pub (the gate's count)",
-    ),
-    "last_outstanding": Guard(
-        "it was the last publication outstanding against the storage",
-        "ProducerEndpoint._end_pub (the gate's count)",
-    ),
-    "v1_lease_expiry_reopen": Guard(
-        'v1_lease_expiry="reopen" (unsafe: v1\'s liveness over safety)',
-        "ProducerEndpoint._expire, ._settle_held",
-    ),
-    # layer publication
-    "connection_ready": Guard(
-        "its connection's handshake is done (ready_v1 or ready_v2)",
-        "the connection table (send, flush): ProducerEndpoint._fx_conn_send, ._fx_flush",
-    ),
-    "lease_ms_left": Guard(
-        "at least 1 ms of its lease is left (a fresh publication has all of it)",
-        "ProducerEndpoint._fx_flush",
-    ),
-    "no_lease_ms_left": Guard(
-        "less than 1 ms of its lease is left when the handshake ends",
-        "ProducerEndpoint._fx_flush",
-    ),
-    "peer_has_lease": Guard(
-        "the peer has the lease capability: its reads are bounded by the lease",
-        "ProducerEndpoint._expire",
-    ),
-    "abort_goes_out_now_or_all_told": Guard(
-        "every request was told already, or the ABORT goes out now (ready_v2 with abort)",
-        "ProducerEndpoint._expire (._abort_frees_storage)",
-    ),
-    "abort_cannot_go_out_now": Guard(
-        "not the two above: no ABORT that frees the storage can go out now",
-        "ProducerEndpoint._expire",
-    ),
-    "peer_takes_abort_or_v1_hold": Guard(
-        'the peer has the abort capability, or v1_lease_expiry="hold"',
-        "ProducerEndpoint._expire",
-    ),
-    "peer_cannot_be_told": Guard(
-        "the peer has no abort capability (v1)", "ProducerEndpoint._expire"
-    ),
-    "handshake_done_with_abort": Guard(
-        "a handshake ended and the ABORT the held publication waits for went out",
-        "ProducerEndpoint._settle_held",
-    ),
-    "handshake_done_without_abort": Guard(
-        "a handshake ended and no ABORT can go out to the peer",
-        "ProducerEndpoint._settle_held",
-    ),
-    "lease_expired": Guard(
-        "its lease ran out already (it is held)", "ProducerEndpoint.connection_lost"
-    ),
-    # kept request (Prefill-first)
-    "claim_usable": Guard(
-        "the claiming Decode passes the topology rules and is not a known v1 peer",
-        "ProducerEndpoint.claim",
-    ),
-    "claim_unusable": Guard(
-        "the claiming Decode's topology is refused, or it speaks only v1 (no Prefill-first flow)",
-        "ProducerEndpoint.claim",
-    ),
-    "lease_left": Guard(
-        "some of its lease is left (a live one past it is not resent)",
-        "ProducerEndpoint._resend",
-    ),
-    "peer_resend": Guard(
-        "the peer has the resend capability and the connection is ready_v2",
-        "ProducerEndpoint._resend",
-    ),
-    "peer_dead": Guard(
-        "the runtime declared the peer dead while the lease ran (orphaned)",
-        "ProducerEndpoint._expire",
-    ),
-    # Prefill request
-    "last_layer": Guard(
-        "the layer published is the last cache-bearing layer of the step",
-        "ProducerEndpoint.layer_written",
-    ),
-    "none_outstanding": Guard(
-        "no publication that named the request is outstanding",
-        "ProducerEndpoint._maybe_drain",
-    ),
-    # connection handshake
-    "backoff_elapsed": Guard(
-        "the refusal's backoff has passed (now >= retry_at)", "ProducerEndpoint._conn_publish"
-    ),
-    "held_aborts_waiting": Guard(
-        "held publications wait for an ABORT and the idle connection's peer takes ABORT",
-        "ProducerEndpoint._retry_for_held_aborts",
-    ),
-    "peer_reconnects": Guard(
-        "the peer has the reconnect capability: UNKNOWN_SESSION means it lost our handshake",
-        "ProducerEndpoint._on_read_failed",
-    ),
-}
-
+from rd2h_protocol.events import GateOpened, LayerReplied, RequestFinished, Send
+from rd2h_protocol.machines.declare import NO_EFFECT, MachineSpec, check_guards, stay
+from rd2h_protocol.machines.handshake import *  # noqa: F403 (re-exported: one namespace)
+from rd2h_protocol.machines.handshake import CONNECTION_HANDSHAKE, EFFECT_RELEASE, EFFECT_SEND
+from rd2h_protocol.machines.kept import *  # noqa: F403
+from rd2h_protocol.machines.kept import KEPT_REQUEST
+from rd2h_protocol.machines.producer_guards import GUARDS
 
 # -- storage-slot gate ---------------------------------------------------------------------
 
@@ -196,6 +102,7 @@ STORAGE_GATE: Final = MachineSpec(
     states=(GATE_OPEN, GATE_CLOSED, GATE_EXPIRED),
     initial=GATE_OPEN,
     guards=GUARDS,
+    outputs={NO_EFFECT: (), EFFECT_REOPEN: (GateOpened,)},
     transitions=(
         {
             "trigger": G_LOCAL_PUBLISH,
@@ -290,12 +197,10 @@ P_LOCAL_CONNECTION_LOST: Final = "LOCAL_CONNECTION_LOST"
 P_LOCAL_RESEND: Final = "LOCAL_RESEND"
 P_LOCAL_LEASE_LAPSED: Final = "LOCAL_LEASE_LAPSED"
 
-EFFECT_SEND: Final = "send"
 EFFECT_RESEND: Final = "resend"
 EFFECT_DONE: Final = "done"
 EFFECT_FAIL: Final = "fail"
 EFFECT_REQUEUE: Final = "requeue"
-EFFECT_RELEASE: Final = "release"
 EFFECT_EXPIRE_ABORT: Final = "expire_abort"
 EFFECT_EXPIRE_UNSENT: Final = "expire_unsent"
 EFFECT_EXPIRE_UNTOLD: Final = "expire_untold"
@@ -334,6 +239,23 @@ LAYER_PUBLICATION: Final = MachineSpec(
     ),
     initial=PUB_QUEUED,
     guards=GUARDS,
+    outputs={
+        NO_EFFECT: (),
+        EFFECT_SEND: (Send,),
+        EFFECT_RESEND: (Send,),
+        EFFECT_DONE: (LayerReplied,),
+        EFFECT_FAIL: (LayerReplied,),
+        EFFECT_REQUEUE: (),
+        EFFECT_RELEASE: (),
+        EFFECT_EXPIRE_ABORT: (Send,),  # the ABORT
+        EFFECT_EXPIRE_UNSENT: (),
+        EFFECT_EXPIRE_UNTOLD: (),
+        EFFECT_HOLD: (Send,),  # the ABORT, where one can go out
+        EFFECT_ORPHAN: (),
+        EFFECT_RELEASE_HELD: (),
+        EFFECT_COUNT_DUPLICATE: (),
+        EFFECT_COUNT_STALE: (),
+    },
     terminal=frozenset({PUB_REPLIED, PUB_FAILED, PUB_EXPIRED, PUB_RELEASED}),
     transitions=(
         {
@@ -553,6 +475,17 @@ PREFILL_REQUEST: Final = MachineSpec(
     ),
     initial=REQ_REGISTERED,
     guards=GUARDS,
+    # Our ABORT goes out once per connection, from the caller (send_abort collects it).
+    outputs={
+        NO_EFFECT: (),
+        EFFECT_SCHEDULE: (),
+        EFFECT_SCHEDULE_CLAIMED: (),
+        EFFECT_IGNORE: (),
+        EFFECT_RECORD_FAILURE: (),
+        EFFECT_SEND_ABORT: (),
+        EFFECT_STOP: (),
+        EFFECT_FINISH: (RequestFinished,),
+    },
     terminal=frozenset({REQ_COMPLETE, REQ_FAILED, REQ_ABORTED}),
     transitions=(
         {
@@ -633,204 +566,6 @@ PREFILL_REQUEST: Final = MachineSpec(
             "dest": REQ_ABORTED,
             "conditions": "none_outstanding",
             "effect": EFFECT_FINISH,
-        },
-    ),
-)
-
-# -- kept request (Prefill-first) -----------------------------------------------------------
-
-KEPT_WAITING: Final = "waiting"
-KEPT_CLAIMED: Final = "claimed"
-KEPT_DELIVERED: Final = "delivered"
-KEPT_UNCLAIMED: Final = "unclaimed"
-
-K_RECV_CLAIM: Final = "RECV_CLAIM"
-K_RECV_CLAIM_UNUSABLE: Final = "RECV_CLAIM_UNUSABLE"
-K_LOCAL_FINISHED: Final = "LOCAL_FINISHED"
-K_TIMER_CLAIM_EXPIRED: Final = "TIMER_CLAIM_EXPIRED"
-
-EFFECT_PUBLISH_KEPT: Final = "publish_kept"
-EFFECT_REFUSE_CLAIM: Final = "refuse_claim"
-EFFECT_RELEASE_UNCLAIMED: Final = "release_unclaimed"
-
-KEPT_REQUEST: Final = MachineSpec(
-    name="kept request",
-    doc="""
-    Prefill-first flow (a standard router sends Prefill the prompt before Decode
-    exists for it): a request whose prompt Prefill computed with no Decode named. Its
-    whole KV stays in its own blocks (a Prefill that reuses shared layer buffers refuses
-    to keep one) until ONE Decode claims it, or until the claim window runs out and
-    its blocks are freed unread. The claim registers a Prefill request toward that
-    Decode and publishes every layer at once; a second claim is refused.
-    """,
-    states=(KEPT_WAITING, KEPT_CLAIMED, KEPT_DELIVERED, KEPT_UNCLAIMED),
-    initial=KEPT_WAITING,
-    guards=GUARDS,
-    terminal=frozenset({KEPT_DELIVERED, KEPT_UNCLAIMED}),
-    transitions=(
-        {
-            "trigger": K_RECV_CLAIM,
-            "source": KEPT_WAITING,
-            "dest": KEPT_CLAIMED,
-            "conditions": "claim_usable",
-            "effect": EFFECT_PUBLISH_KEPT,
-        },
-        # A Decode this Prefill cannot serve is refused; another may still claim it.
-        *stay(
-            K_RECV_CLAIM_UNUSABLE,
-            [KEPT_WAITING],
-            effect=EFFECT_REFUSE_CLAIM,
-            conditions="claim_unusable",
-        ),
-        # Claimed once: a repeat (or a second Decode) is refused, never published twice.
-        *stay(K_RECV_CLAIM, [KEPT_CLAIMED], effect=EFFECT_REFUSE_CLAIM),
-        *stay(K_RECV_CLAIM_UNUSABLE, [KEPT_CLAIMED], effect=EFFECT_REFUSE_CLAIM),
-        {"trigger": K_LOCAL_FINISHED, "source": KEPT_CLAIMED, "dest": KEPT_DELIVERED},
-        {
-            "trigger": K_TIMER_CLAIM_EXPIRED,
-            "source": KEPT_WAITING,
-            "dest": KEPT_UNCLAIMED,
-            "effect": EFFECT_RELEASE_UNCLAIMED,
-        },
-    ),
-)
-
-# -- connection handshake ------------------------------------------------------------------
-
-CONN_IDLE: Final = "idle"
-CONN_HANDSHAKING: Final = "handshaking"
-CONN_READY_V1: Final = "ready_v1"
-CONN_READY_V2: Final = "ready_v2"
-CONN_REFUSED: Final = "refused"
-
-C_LOCAL_PUBLISH: Final = "LOCAL_PUBLISH"
-C_RECV_ACK_V1: Final = "RECV_ACK_V1"
-C_RECV_ACK_V2: Final = "RECV_ACK_V2"
-C_RECV_ACK_REFUSED: Final = "RECV_ACK_REFUSED"
-C_TIMER_HANDSHAKE_EXPIRED: Final = "TIMER_HANDSHAKE_EXPIRED"
-C_RECV_UNKNOWN_SESSION: Final = "RECV_UNKNOWN_SESSION"
-C_LOCAL_PUBLISH_RETRY: Final = "LOCAL_PUBLISH_RETRY"
-C_LOCAL_HELD_ABORTS: Final = "LOCAL_HELD_ABORTS"
-C_LOCAL_CONNECTION_LOST: Final = "LOCAL_CONNECTION_LOST"
-
-EFFECT_SEND_META: Final = "send_meta"
-EFFECT_QUEUE: Final = "queue"
-EFFECT_FLUSH: Final = "flush"
-EFFECT_FAIL_QUEUED: Final = "fail_queued"
-EFFECT_REFUSED: Final = "refused"  # record the refusal and its backoff, then fail_queued
-EFFECT_RESET: Final = "reset"
-EFFECT_COUNT_STRAY_ACK: Final = "count_stray_ack"  # an ACK with no handshake waiting for it
-
-#: Connection states in which readiness goes out at once.
-CONN_READY: Final = frozenset({CONN_READY_V1, CONN_READY_V2})
-
-CONNECTION_HANDSHAKE: Final = MachineSpec(
-    name="connection handshake",
-    doc="""
-    One per Decode rank endpoint ("host:port"). MF_META goes out before the first
-    readiness; readiness published meanwhile waits in this connection's queue only, so a
-    slow or dead endpoint never stalls the others. A handshake that times out releases
-    its queue (the gates reopen) and the next publication starts a new one. A refusal is
-    retried by the first publication after a doubling backoff; until then publications
-    fail at once. The runtime declaring the endpoint dead resets it to idle.
-    """,
-    states=(CONN_IDLE, CONN_HANDSHAKING, CONN_READY_V1, CONN_READY_V2, CONN_REFUSED),
-    initial=CONN_IDLE,
-    guards=GUARDS,
-    transitions=(
-        {
-            "trigger": C_LOCAL_PUBLISH,
-            "source": CONN_IDLE,
-            "dest": CONN_HANDSHAKING,
-            "effect": EFFECT_SEND_META,
-        },
-        {
-            "trigger": C_LOCAL_PUBLISH,
-            "source": CONN_HANDSHAKING,
-            "dest": CONN_HANDSHAKING,
-            "effect": EFFECT_QUEUE,
-        },
-        *stay(C_LOCAL_PUBLISH, [CONN_READY_V1, CONN_READY_V2], effect=EFFECT_SEND),
-        # The peer refused our layout or version: nothing will be read, fail at once.
-        {
-            "trigger": C_LOCAL_PUBLISH,
-            "source": CONN_REFUSED,
-            "dest": CONN_REFUSED,
-            "effect": EFFECT_RELEASE,
-        },
-        {
-            "trigger": C_RECV_ACK_V1,
-            "source": CONN_HANDSHAKING,
-            "dest": CONN_READY_V1,
-            "effect": EFFECT_FLUSH,
-        },
-        {
-            "trigger": C_RECV_ACK_V2,
-            "source": CONN_HANDSHAKING,
-            "dest": CONN_READY_V2,
-            "effect": EFFECT_FLUSH,
-        },
-        {
-            "trigger": C_RECV_ACK_REFUSED,
-            "source": CONN_HANDSHAKING,
-            "dest": CONN_REFUSED,
-            "effect": EFFECT_REFUSED,
-        },
-        # An ACK that answers no handshake in progress (a duplicate, or one that came after
-        # the handshake timed out) changes nothing: it is counted.
-        *(
-            decl
-            for ack in (C_RECV_ACK_V1, C_RECV_ACK_V2, C_RECV_ACK_REFUSED)
-            for decl in stay(
-                ack,
-                [CONN_IDLE, CONN_READY_V1, CONN_READY_V2, CONN_REFUSED],
-                effect=EFFECT_COUNT_STRAY_ACK,
-            )
-        ),
-        {
-            "trigger": C_TIMER_HANDSHAKE_EXPIRED,
-            "source": CONN_HANDSHAKING,
-            "dest": CONN_IDLE,
-            "effect": EFFECT_FAIL_QUEUED,
-        },
-        {
-            "trigger": C_RECV_UNKNOWN_SESSION,
-            "source": CONN_READY_V2,
-            "dest": CONN_HANDSHAKING,
-            "conditions": "peer_reconnects",
-            "effect": EFFECT_SEND_META,
-        },
-        # Further UNKNOWN_SESSION replies while the new handshake runs join its queue.
-        {
-            "trigger": C_RECV_UNKNOWN_SESSION,
-            "source": CONN_HANDSHAKING,
-            "dest": CONN_HANDSHAKING,
-            "effect": EFFECT_QUEUE,
-        },
-        # The refusal's backoff has passed: a new publication tries a fresh MF_META.
-        {
-            "trigger": C_LOCAL_PUBLISH_RETRY,
-            "source": CONN_REFUSED,
-            "dest": CONN_HANDSHAKING,
-            "conditions": "backoff_elapsed",
-            "effect": EFFECT_SEND_META,
-        },
-        # A handshake timed out while held publications wait for their ABORT to go out:
-        # try again at once, or their storage would stay closed until the peer is dead.
-        {
-            "trigger": C_LOCAL_HELD_ABORTS,
-            "source": CONN_IDLE,
-            "dest": CONN_HANDSHAKING,
-            "conditions": "held_aborts_waiting",
-            "effect": EFFECT_SEND_META,
-        },
-        # The runtime's heartbeat declared the endpoint dead: forget the handshake (the
-        # peer that comes back is a new process) and fail what waited for it.
-        {
-            "trigger": C_LOCAL_CONNECTION_LOST,
-            "source": [CONN_IDLE, CONN_HANDSHAKING, CONN_READY_V1, CONN_READY_V2, CONN_REFUSED],
-            "dest": CONN_IDLE,
-            "effect": EFFECT_RESET,
         },
     ),
 )
