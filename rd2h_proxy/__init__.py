@@ -26,8 +26,8 @@ __all__ = ["Backend", "ProxyConfig", "build_parser", "config_from_args", "create
 
 
 def create_app(config: ProxyConfig) -> web.Application:
-    """The proxy as an aiohttp application; see :func:`rd2h_proxy.server.create_app`."""
-    from rd2h_proxy.server import create_app as _create_app
+    """The proxy as an aiohttp application; see :func:`rd2h_proxy.serving.create_app`."""
+    from rd2h_proxy.serving import create_app as _create_app
 
     return _create_app(config)
 
@@ -48,7 +48,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{parser.prog}: error: {exc}", file=sys.stderr)
         return 2
     try:
-        from rd2h_proxy.server import run
+        from rd2h_proxy.serving import run
     except MissingExtra as exc:
         print(f"{parser.prog}: error: {exc}", file=sys.stderr)
         return 2

@@ -1,6 +1,7 @@
 """The aiohttp P/D proxy: Decode first, rendezvous on /v1/metaserver, Prefill once.
 
-Over 600 lines: one ProxyServer whose request flow, below, reads as a whole.
+One :class:`ProxyServer` whose request flow, below, reads as a whole; the bodies at its
+edges are :mod:`rd2h_proxy.bodies`, the application around it :mod:`rd2h_proxy.serving`.
 
 Flow of one client request (the *parent*)
 -----------------------------------------
@@ -26,13 +27,14 @@ Flow of one client request (the *parent*)
 Hostile clients
 ---------------
 Client connections go through a :class:`~rd2h_proxy.connections.ConnectionGuard`
-(served by :func:`start`): at most ``max_connections`` are open, and a request head must be
-complete within ``header_timeout_s``. A body must arrive whole within ``body_timeout_s``
-(else 408 and the connection is closed) and may not exceed ``max_body_bytes`` (413); a JSON
-body nested deeper than :data:`~rd2h_proxy.payloads.MAX_JSON_DEPTH`, or made of
-more than :data:`~rd2h_proxy.payloads.MAX_JSON_CONTAINERS` arrays and objects, is
-a 400. A body is held once as bytes until it is decoded, then only as the decoded request
-plus one encoded copy at a time for the backend it is being sent to.
+(served by :func:`~rd2h_proxy.serving.start`): at most ``max_connections`` are open, and a
+request head must be complete within ``header_timeout_s``. A body must arrive whole within
+``body_timeout_s`` (else 408 and the connection is closed) and may not exceed
+``max_body_bytes`` (413); a JSON body nested deeper than
+:data:`~rd2h_proxy.payloads.MAX_JSON_DEPTH`, or made of more than
+:data:`~rd2h_proxy.payloads.MAX_JSON_CONTAINERS` arrays and objects, is a 400. A body is
+held once as bytes until it is decoded, then only as the decoded request plus one encoded
+copy at a time for the backend it is being sent to.
 
 Only connection failures (the request never left the proxy) are retried, on another node:
 anything else may already have reached a backend, and repeating it could run the same
@@ -44,11 +46,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import signal
-import socket
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any, Final
 
@@ -89,7 +89,16 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise MissingExtra("aiohttp", "proxy") from exc
 
-from rd2h_proxy.connections import ConnectionGuard, GuardedSite
+from rd2h_proxy.bodies import (
+    CLIENT_GONE,
+    BodyRefused,
+    json_error,
+    read_body,
+    refuse,
+    send_slices,
+    stream_error,
+)
+from rd2h_proxy.connections import ConnectionGuard
 
 log = logging.getLogger("rd2h.proxy")
 
@@ -98,14 +107,7 @@ _NOT_SENT: Final[tuple[type[BaseException], ...]] = (
     aiohttp.ClientConnectorError,
     getattr(aiohttp, "ConnectionTimeoutError", aiohttp.ClientConnectorError),
 )
-# Errors raised when the client of a streaming response has gone away.
-_CLIENT_GONE: Final = (ConnectionResetError, ConnectionError)
 _ERROR_TEXT_LIMIT: Final = 2000
-#: Bodies go to the backends in slices this large, so the socket layer never copies a whole
-#: body into its send buffer (asyncio before 3.12 does, for a write it cannot send at once).
-_SEND_CHUNK: Final = 1 << 20
-#: How long an idle kept-alive client connection stays open (aiohttp's run_app default).
-_KEEPALIVE_TIMEOUT_S: Final = 75.0
 
 
 @dataclass
@@ -131,56 +133,6 @@ class ProxyStats:
     body_timeouts: int = 0  # a request body did not arrive within body_timeout_s (408)
 
 
-def _json_error(status: int, message: str, kind: str) -> web.Response:
-    """An OpenAI-style error body."""
-    body = {"error": {"message": message, "type": kind, "code": status}}
-    return web.json_response(body, status=status)
-
-
-class _Refused(Exception):
-    """A request body the proxy will not take (too large, or too slow to arrive)."""
-
-    def __init__(self, status: int, message: str, kind: str, *, close: bool = False) -> None:
-        super().__init__(message)
-        self.status = status
-        self.kind = kind
-        self.close = close  # the body is still arriving: close instead of draining it
-
-
-async def _read_all(content: aiohttp.StreamReader, length: int | None, limit: int) -> bytearray:
-    """The body from ``content`` into one buffer: the only copy of it the proxy makes."""
-    if length is not None:
-        body = bytearray(length)
-        view = memoryview(body)
-        filled = 0
-        while filled < length:
-            chunk = await content.readany()
-            if not chunk or len(chunk) > length - filled:
-                raise _Refused(
-                    400,
-                    "the request body does not match its Content-Length",
-                    "invalid_request_error",
-                )
-            view[filled : filled + len(chunk)] = chunk
-            filled += len(chunk)
-        return body
-    body = bytearray()
-    while chunk := await content.readany():
-        if len(body) + len(chunk) > limit:
-            raise _Refused(
-                413, f"the request body exceeds the {limit}-byte limit", "invalid_request_error"
-            )
-        body += chunk
-    return body
-
-
-async def _slices(payload: bytes) -> AsyncIterator[memoryview]:
-    """``payload`` in :data:`_SEND_CHUNK` slices; it is freed once the last one is sent."""
-    view = memoryview(payload)
-    for start in range(0, len(view), _SEND_CHUNK):
-        yield view[start : start + _SEND_CHUNK]
-
-
 @dataclass
 class _Relay:
     """What the relay has sent to the client so far (read by the failure path)."""
@@ -191,7 +143,7 @@ class _Relay:
 
 
 class ProxyServer:
-    """State and handlers of one proxy; build it with :func:`create_app`."""
+    """State and handlers of one proxy; build it with :func:`~rd2h_proxy.serving.create_app`."""
 
     def __init__(self, config: ProxyConfig) -> None:
         self.config = config
@@ -261,7 +213,7 @@ class ProxyServer:
         self.stats.requests += 1
         if self._in_flight >= self.config.max_inflight_requests:
             self.stats.requests_rejected += 1
-            return _json_error(
+            return json_error(
                 503,
                 f"the proxy already handles {self._in_flight} requests; retry later",
                 "overloaded",
@@ -279,18 +231,18 @@ class ProxyServer:
             header_id = request.headers.get("X-Request-Id")
             parent_id = check_request_id(header_id) if header_id else uuid.uuid4().hex
             children = child_ids(api, parent_id, body)
-        except _Refused as exc:
+        except BodyRefused as exc:
             self.stats.requests_rejected += 1
-            return await self._refuse(request, exc)
+            return await refuse(request, exc)
         except BadRequest as exc:
             self.stats.requests_rejected += 1
-            return _json_error(400, str(exc), "invalid_request_error")
+            return json_error(400, str(exc), "invalid_request_error")
         forwarded = {k: v for k, v in request.headers.items() if k.lower() in ("authorization",)}
         try:
             parent = self.registry.open(parent_id, api, body, forwarded, children, time.monotonic())
         except ParentInFlight as exc:
             self.stats.requests_rejected += 1
-            conflict = _json_error(409, str(exc), "conflict")
+            conflict = json_error(409, str(exc), "conflict")
             conflict.headers["Retry-After"] = "1"
             return conflict
         loop = asyncio.get_running_loop()
@@ -309,40 +261,13 @@ class ProxyServer:
         return response
 
     async def _read_body(self, request: web.Request, limit: int) -> bytearray:
-        """The whole request body, within ``body_timeout_s`` and ``limit`` bytes, else
-        :class:`_Refused`.
-
-        The deadline covers the whole body, not the gaps between its chunks: a client that
-        trickles a byte now and then is cut as surely as one that stops.
-        """
-        length = request.content_length
-        if length is not None and length > limit:
-            raise _Refused(
-                413,
-                f"the request body has {length} bytes; the proxy accepts {limit}",
-                "invalid_request_error",
-            )
-        timeout = self.config.body_timeout_s
+        """The request body (:func:`read_body`); one that came too slowly: ``body_timeouts``."""
         try:
-            return await asyncio.wait_for(_read_all(request.content, length, limit), timeout)
-        except asyncio.TimeoutError:
-            self.stats.body_timeouts += 1
-            raise _Refused(
-                408, f"the request body did not arrive within {timeout:g} s", "timeout", close=True
-            ) from None
-
-    async def _refuse(self, request: web.Request, exc: _Refused) -> web.StreamResponse:
-        """Answer a refused body; one still arriving is not drained (aiohttp would linger)."""
-        response = _json_error(exc.status, str(exc), exc.kind)
-        if not exc.close:
-            return response
-        log.debug("client %s: %s; closing the connection", request.remote, exc)
-        response.force_close()
-        with contextlib.suppress(ConnectionError):
-            await response.prepare(request)
-            await response.write_eof()
-        request.protocol.force_close()  # the answer is flushed first, then the socket closes
-        return response
+            return await read_body(request, limit, self.config.body_timeout_s)
+        except BodyRefused as exc:
+            if exc.status == 408:  # the body did not arrive within body_timeout_s
+                self.stats.body_timeouts += 1
+            raise
 
     async def _serve(
         self, request: web.Request, parent: Parent, relay: _Relay
@@ -371,18 +296,9 @@ class ProxyServer:
         log.warning("request %s failed: %s", parent.parent_id, message)
         relay.failed = True
         if relay.stream is not None:
-            await self._stream_error(relay.stream, status, message)
+            await stream_error(relay.stream, status, message)
             return relay.stream
-        return _json_error(status, message, "upstream_error")
-
-    async def _stream_error(self, stream: web.StreamResponse, status: int, message: str) -> None:
-        """End an SSE stream with an error event (a blank line first ends any partial event)."""
-        event = {"error": {"message": message, "type": "upstream_error", "code": status}}
-        try:
-            await stream.write(b"\n\ndata: " + msgspec.json.encode(event) + b"\n\n")
-            await stream.write_eof()
-        except _CLIENT_GONE:
-            pass
+        return json_error(status, message, "upstream_error")
 
     async def _forward(
         self, request: web.Request, parent: Parent, relay: _Relay
@@ -425,7 +341,7 @@ class ProxyServer:
             finally:
                 self.decode.release(node)
         self.stats.decode_errors += 1
-        return _json_error(502, last_error, "upstream_error")
+        return json_error(502, last_error, "upstream_error")
 
     def _post_json(
         self,
@@ -439,7 +355,7 @@ class ProxyServer:
         payload = msgspec.json.encode(body)
         return self.session.post(
             url,
-            data=_slices(payload),
+            data=send_slices(payload),
             headers={**headers, "Content-Length": str(len(payload))},
             timeout=timeout,
         )
@@ -449,9 +365,9 @@ class ProxyServer:
         relay.failed = True
         if relay.stream is not None:
             # Headers are out: the status cannot change, so end the stream with an error event.
-            await self._stream_error(relay.stream, status, message)
+            await stream_error(relay.stream, status, message)
             return relay.stream
-        return _json_error(status, message, "upstream_error")
+        return json_error(status, message, "upstream_error")
 
     async def _relay(
         self,
@@ -483,7 +399,7 @@ class ProxyServer:
                 relay.body_bytes += len(chunk)
                 await stream.write(chunk)
             await stream.write_eof()
-        except _CLIENT_GONE:
+        except CLIENT_GONE:
             # The client left; leaving the `async with` closes the Decode connection, which
             # makes vLLM abort the request and free its blocks.
             log.info("request %s: client went away during streaming", parent.parent_id)
@@ -511,25 +427,25 @@ class ProxyServer:
             data = await self._read_body(
                 request, min(MAX_RENDEZVOUS_BYTES, self.config.max_body_bytes)
             )
-        except _Refused as exc:
+        except BodyRefused as exc:
             self.stats.rendezvous_malformed += 1
-            return await self._refuse(request, exc)
+            return await refuse(request, exc)
         try:
             check_json_shape(data, "the rendezvous body")
             rendezvous, raw = parse_rendezvous_json(bytes(data))
         except (BadRequest, MalformedRendezvous) as exc:
             self.stats.rendezvous_malformed += 1
-            return _json_error(400, str(exc), "invalid_request_error")
+            return json_error(400, str(exc), "invalid_request_error")
         # Normalised known fields over the raw object: keys a newer Decode adds pass through.
         params: dict[str, Any] = {**raw, **rendezvous.to_params()}
         try:
             parent, outcome = self.registry.record(rendezvous.request_id, params)
         except UnknownChild as exc:
             self.stats.rendezvous_unknown += 1
-            return _json_error(404, str(exc), "not_found")
+            return json_error(404, str(exc), "not_found")
         except RendezvousRefused as exc:
             self.stats.rendezvous_refused += 1
-            return _json_error(exc.status, str(exc), "conflict")
+            return json_error(exc.status, str(exc), "conflict")
         if outcome is Outcome.DUPLICATE:
             self.stats.rendezvous_duplicate += 1
         else:
@@ -682,129 +598,3 @@ class ProxyServer:
 
 class _DispatchFailed(Exception):
     """The Prefill dispatch failed; the message says where and how."""
-
-
-#: Where :func:`create_app` keeps the :class:`ProxyServer` of an application.
-SERVER_KEY: Final = web.AppKey("rd2h_proxy_server", ProxyServer)
-
-
-def create_app(config: ProxyConfig) -> web.Application:
-    """The proxy as an aiohttp application; serve it with :func:`start` (or :func:`run`).
-
-    The :class:`ProxyServer` is reachable as ``app[SERVER_KEY]``. Another runner serves it
-    too, without the connection cap and header deadline (those need :func:`start`'s site);
-    run it with ``handler_cancellation=True`` so a client that disconnects stops its Decode
-    exchange.
-    """
-    server = ProxyServer(config)
-
-    @web.middleware
-    async def report_requests(
-        request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
-    ) -> web.StreamResponse:
-        # aiohttp calls the application only once a request head is complete.
-        server.guard.request_started(request.protocol)
-        try:
-            return await handler(request)
-        finally:
-            server.guard.request_finished(request.protocol)
-
-    app = web.Application(
-        client_max_size=config.max_body_bytes,
-        middlewares=[report_requests],
-        handler_args={"keepalive_timeout": _KEEPALIVE_TIMEOUT_S},
-    )
-    app[SERVER_KEY] = server
-    app.cleanup_ctx.append(server.session_ctx)
-    app.router.add_post("/v1/completions", server.completions)
-    app.router.add_post("/v1/chat/completions", server.chat_completions)
-    app.router.add_post("/v1/metaserver", server.metaserver)
-    app.router.add_get("/healthcheck", server.healthcheck)
-    app.router.add_get("/stats", server.stats_handler)
-    app.router.add_post("/reset_prefix_cache", server.reset_prefix_cache)
-    return app
-
-
-async def start(
-    app: web.Application,
-    *,
-    host: str | None = None,
-    port: int = 0,
-    sock: socket.socket | None = None,
-) -> web.AppRunner:
-    """Serve a :func:`create_app` application on ``host:port`` (or a bound ``sock``).
-
-    Its connections go through the application's guard (connection cap, header deadline).
-    Stop it with ``await runner.cleanup()``.
-    """
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
-    await runner.setup()
-    try:
-        site = GuardedSite(runner, app[SERVER_KEY].guard, host=host, port=port, sock=sock)
-        await site.start()
-    except BaseException:
-        await runner.cleanup()
-        raise
-    return runner
-
-
-def _raise_open_file_limit(config: ProxyConfig) -> None:
-    """Raise the soft open-file limit to what ``max_connections`` implies, as far as allowed.
-
-    Each client request in flight also holds a Decode connection, a dispatch a Prefill one;
-    a soft limit below that makes the proxy fail on EMFILE before the cap can refuse anyone.
-    """
-    try:
-        import resource
-    except ImportError:  # pragma: no cover - not on POSIX
-        return
-    need = (
-        config.max_connections
-        + config.max_inflight_requests
-        + config.max_concurrent_dispatches
-        + 256  # listening socket, backend pools' idle connections, logs, the loop's own
-    )
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft == resource.RLIM_INFINITY or soft >= need:
-        return
-    target = need if hard == resource.RLIM_INFINITY else min(need, hard)
-    if target > soft:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-            soft = target
-        except (ValueError, OSError):
-            pass
-    if soft < need:
-        log.warning(
-            "open-file limit %d is below the ~%d that --max-connections %d implies (client "
-            "connections plus backend connections); lower --max-connections or raise the "
-            "limit (ulimit -n)",
-            soft,
-            need,
-            config.max_connections,
-        )
-
-
-async def _serve(config: ProxyConfig) -> None:
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError):  # no signal handlers on Windows
-            loop.add_signal_handler(signum, stop.set)
-    runner = await start(create_app(config), host=config.host, port=config.port)
-    try:
-        await stop.wait()
-    finally:
-        await runner.cleanup()
-
-
-def run(config: ProxyConfig) -> None:
-    """Serve until SIGINT or SIGTERM."""
-    for host in config.loopback_mismatch():
-        log.warning(
-            "Decode host %s cannot reach the metaserver on loopback %s; use a reachable --host",
-            host,
-            config.host,
-        )
-    _raise_open_file_limit(config)
-    asyncio.run(_serve(config))

@@ -41,7 +41,8 @@ from rd2h_protocol.rendezvous import (
 from rd2h_protocol.topology import external_request_id
 from rd2h_proxy import ProxyConfig, create_app
 from rd2h_proxy.config import Backend
-from rd2h_proxy.server import SERVER_KEY, ProxyServer, start
+from rd2h_proxy.server import ProxyServer
+from rd2h_proxy.serving import SERVER_KEY, start
 
 TEST_TIMEOUT_S = 9.0  # every test must finish in under 10 s
 HOST = "127.0.0.1"

@@ -47,7 +47,7 @@ from rd2h_proxy.payloads import (
     check_json_shape,
     decode_json_object,
 )
-from rd2h_proxy.server import _raise_open_file_limit
+from rd2h_proxy.serving import raise_open_file_limit
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
@@ -218,11 +218,11 @@ def test_open_file_limit_is_raised_to_cover_the_cap(
     config = ProxyConfig(
         host=HOST, port=9000, prefillers=(Backend(HOST, 1),), decoders=(Backend(HOST, 2),)
     )
-    _raise_open_file_limit(config)
+    raise_open_file_limit(config)
     need = 8192 + 4096 + 64 + 256
     assert limits == {"soft": need, "hard": 1 << 20} and not caplog.records
     limits.update(soft=1024, hard=4096)  # the hard limit is too low: raise what we may, warn
-    _raise_open_file_limit(config)
+    raise_open_file_limit(config)
     assert limits == {"soft": 4096, "hard": 4096}
     assert "lower --max-connections" in caplog.text
 
