@@ -25,12 +25,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import struct
 import threading
 import time
 from collections.abc import Callable, Hashable
 from dataclasses import replace
-from typing import Any, Final, Generic, TypeVar, cast
+from typing import Any, Final, Generic, TypeVar
 
 import zmq
 
@@ -43,6 +42,7 @@ from rd2h_runtime.control._common import (
     EventQueue,
 )
 from rd2h_runtime.control._inbox import Admission, FairInbox
+from rd2h_runtime.control._sockets import MONITOR_EVENTS, configure, drain, read_monitor
 
 # Peers whose over-budget frames were logged (once each); older ones are forgotten first.
 _LOGGED_PEERS: Final = 4096
@@ -51,21 +51,6 @@ log = logging.getLogger("rd2h_runtime.control")
 
 EventT = TypeVar("EventT")
 _LoopT = TypeVar("_LoopT", bound="IOLoop[Any]")
-
-_MONITOR_EVENTS: Final = (
-    zmq.EVENT_HANDSHAKE_SUCCEEDED
-    | zmq.EVENT_DISCONNECTED
-    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
-)
-_MONITOR_KINDS: Final[dict[int, ConnectionKind]] = {
-    zmq.EVENT_HANDSHAKE_SUCCEEDED: "connected",
-    zmq.EVENT_DISCONNECTED: "disconnected",
-    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "handshake_failed",
-    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "handshake_failed",
-    zmq.EVENT_HANDSHAKE_FAILED_AUTH: "handshake_failed",
-}
 
 _wake_ids = iter(range(1 << 62))  # next() on an iterator is atomic under the GIL
 
@@ -334,21 +319,14 @@ class IOLoop(Generic[EventT]):
     # --- I/O-thread helpers -------------------------------------------------------------------
 
     def _configure(self, sock: zmq.Socket[bytes]) -> None:
-        """Options every control socket gets: no linger, heartbeats, size and queue bounds."""
-        o = self._options
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.HEARTBEAT_IVL, _ms(o.heartbeat_ivl_s))
-        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, _ms(o.heartbeat_timeout_s))
-        sock.setsockopt(zmq.HEARTBEAT_TTL, _ms(o.heartbeat_ttl_s))
-        sock.setsockopt(zmq.MAXMSGSIZE, o.max_frame_bytes)
-        sock.setsockopt(zmq.SNDHWM, o.sndhwm)
-        sock.setsockopt(zmq.RCVHWM, o.rcvhwm)
+        """Options every control socket gets (:func:`~rd2h_runtime.control._sockets.configure`)."""
+        configure(sock, self._options)
 
     def _monitor(self, sock: zmq.Socket[bytes]) -> zmq.Socket[bytes] | None:
         """Attach a monitor PAIR to ``sock`` (when enabled) and poll it for input."""
         if not self._options.monitor:
             return None
-        mon = sock.get_monitor_socket(_MONITOR_EVENTS)
+        mon = sock.get_monitor_socket(MONITOR_EVENTS)
         mon.setsockopt(zmq.LINGER, 0)
         self._set_want(mon, zmq.POLLIN)
         return mon
@@ -365,26 +343,7 @@ class IOLoop(Generic[EventT]):
 
     def _read_monitor(self, mon: zmq.Socket[bytes]) -> list[tuple[ConnectionKind, str]]:
         """Drain up to a budget of monitor events, keeping the ones we surface."""
-        out: list[tuple[ConnectionKind, str]] = []
-        for n in range(self._read_budget()):
-            if n and not has_input(mon):
-                break
-            try:
-                frames = mon.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                break
-            if len(frames) != 2 or len(frames[0]) != 6:
-                continue
-            (event_id,) = struct.unpack("=H", frames[0][:2])
-            kind = _MONITOR_KINDS.get(event_id)
-            if kind is None:
-                continue
-            if kind == "connected":
-                self._stats.connected += 1
-            elif kind == "disconnected":
-                self._stats.disconnected += 1
-            out.append((kind, frames[1].decode("utf-8", "replace")))
-        return out
+        return read_monitor(mon, self._read_budget(), self._stats)
 
     def _set_want(self, sock: zmq.Socket[bytes], flags: int) -> None:
         if self._want.get(sock) != flags:
@@ -574,7 +533,7 @@ class IOLoop(Generic[EventT]):
                 timeout = min(idle_cap, max(0.0, deadline - time.monotonic()))
             ready = self._poller.poll(math.ceil(timeout * 1000))
             if any(sock is reader for sock, _ in ready):
-                _drain(reader)
+                drain(reader)
             with self._lock:
                 self._wake_pending = False
             if self._stopping:
@@ -629,27 +588,3 @@ class IOLoop(Generic[EventT]):
         if self._external_ctx is None and self._ctx is not None:
             # Every socket of this context was created and closed on this thread.
             self._ctx.term()
-
-
-def _ms(seconds: float) -> int:
-    return max(1, round(seconds * 1000))
-
-
-def has_input(sock: zmq.Socket[bytes]) -> bool:
-    """Whether ``sock`` holds a message to receive now (I/O thread).
-
-    Asked before every receive but the first of a poll's turn: a NOBLOCK receive that finds
-    nothing raises ``zmq.Again``, which costs pyzmq about three times this check, and every
-    turn would end with one.
-    """
-    return bool(cast(int, sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
-
-
-def _drain(sock: zmq.Socket[bytes]) -> None:
-    while True:
-        try:
-            sock.recv(zmq.NOBLOCK)
-        except zmq.Again:
-            return
-        if not has_input(sock):
-            return

@@ -21,7 +21,8 @@ from rd2h_runtime.control._common import (
     parse_conn,
     tcp_url,
 )
-from rd2h_runtime.control._loop import IOLoop, has_input, log
+from rd2h_runtime.control._loop import IOLoop, log
+from rd2h_runtime.control._sockets import has_input
 
 
 class _Conn:

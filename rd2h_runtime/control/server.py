@@ -25,7 +25,8 @@ from rd2h_runtime.control._common import (
     is_ipv6,
     tcp_url,
 )
-from rd2h_runtime.control._loop import IOLoop, has_input
+from rd2h_runtime.control._loop import IOLoop
+from rd2h_runtime.control._sockets import has_input
 
 log = logging.getLogger("rd2h_runtime.control")
 
