@@ -97,7 +97,6 @@ from rd2h_protocol.consumer import (
 from rd2h_protocol.errors import ErrorCode, LocalProtocolError, TransferError
 from rd2h_protocol.plan import ReadPlan
 from rd2h_protocol.wire.codec import encode
-from rd2h_protocol.wire.layout import DestinationLayout
 from rd2h_runtime.control import (
     ConnectionEvent,
     ControlOptions,
@@ -119,6 +118,7 @@ from rd2h_runtime.decode_reads import (
 )
 from rd2h_runtime.decode_refusals import RefusalLog
 from rd2h_runtime.planning import Descriptors, build_descriptors
+from rd2h_runtime.regions import destination_regions
 from rd2h_runtime.trace import open_tracer
 from rd2h_runtime.transfer import TransferBackend
 from rd2h_runtime.worker import CLOSE_TIMEOUT_S, EndpointWorker
@@ -147,15 +147,6 @@ class _Ran:
     errors: list[TransferError | None]
 
 
-def destination_regions(layers: Iterable[tuple[str, DestinationLayout]]) -> list[tuple[int, int]]:
-    """The memory regions of a set of Decode destinations: ``(addr, length)`` each."""
-    regions: list[tuple[int, int]] = []
-    for _, dst in layers:
-        for comp in dst.components():
-            regions.append((comp.base, comp.block_bytes * comp.num_blocks))
-    return regions
-
-
 @dataclass(frozen=True, slots=True)
 class Outcome:
     """How a request ended on this rank: done (``ok``) or failed with ``code``/``message``."""
@@ -171,9 +162,10 @@ class DecodeWorker(EndpointWorker[Output, Outcome, bytes, ServerEvent]):
     """One Decode TP rank: a consumer endpoint bound to a ROUTER, a read worker, a backend.
 
     The ROUTER binds ``host:port`` (``port`` 0: an ephemeral port, read it back from
-    :attr:`port`). ``regions`` default to :func:`destination_regions` of ``config.layers``.
-    The backend is closed with the worker when ``own_backend`` is True. ``on_outcome`` is
-    called (outside the lock) with every :class:`Outcome`; outcomes are also kept until
+    :attr:`port`). ``regions`` default to
+    :func:`~rd2h_runtime.regions.destination_regions` of ``config.layers``. The backend is
+    closed with the worker when ``own_backend`` is True. ``on_outcome`` is called (outside
+    the lock) with every :class:`Outcome`; outcomes are also kept until
     :meth:`release`, for :meth:`wait_finished`. ``planner`` turns a read plan into the
     descriptors of one batched read (benchmarks swap in a baseline to compare).
     ``max_batched_reads``: at most this many plans queued together (one Prefill session)

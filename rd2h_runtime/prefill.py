@@ -17,7 +17,8 @@ Two threads call into the endpoint: the compute path (the model runner: ``add_re
 client's I/O thread (frames from Decode and timers). The endpoint is not thread-safe, so
 ONE lock serialises every call into it together with the execution of its outputs; the
 outputs of one call are therefore executed before any other call starts. Executing an
-output never blocks (the client queues frames), so the lock is held for microseconds.
+output never blocks (the client queues frames), so the lock is held only while the
+endpoint computes.
 ``wait_writable`` waits on a condition of that same lock and is woken by the outputs
 (``GateOpened``) of whichever thread reopened the gate: a reply, or an expired lease.
 
@@ -37,7 +38,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Final
 
-from rd2h_protocol.errors import ConfigError, LocalProtocolError
+from rd2h_protocol.errors import LocalProtocolError
 from rd2h_protocol.events import Chunk
 from rd2h_protocol.machines import NO_EFFECT, no_effect
 from rd2h_protocol.producer import (
@@ -56,7 +57,6 @@ from rd2h_protocol.producer import (
     Send,
 )
 from rd2h_protocol.wire.codec import StepEncoder
-from rd2h_protocol.wire.layout import LayerLayout
 from rd2h_runtime.connection_health import (
     DECODE_CONNECTION_HEALTH,
     EFFECT_LOSE,
@@ -81,6 +81,7 @@ from rd2h_runtime.control import (
     PrefillControlClient,
     TimerDue,
 )
+from rd2h_runtime.regions import layout_regions
 from rd2h_runtime.trace import open_tracer
 from rd2h_runtime.transfer import TransferBackend
 from rd2h_runtime.worker import EndpointWorker
@@ -99,26 +100,6 @@ HEALTH_INPUTS: Final[dict[str, str]] = {
     "handshake_failed": H_RECV_HANDSHAKE_FAILED,
     "connect_failed": H_LOCAL_CONNECT_FAILED,
 }
-
-
-def layout_regions(layers: Iterable[tuple[str, LayerLayout]]) -> list[tuple[int, int]]:
-    """The memory regions a set of Prefill layer layouts exposes: ``(addr, length)`` each.
-
-    Every tensor of every layer spans ``num_blocks * block_bytes(i)`` bytes from its base
-    address (layers of a reuse ring repeat the same regions; the backend merges them).
-    Raises :class:`ConfigError` for a layout without ``num_blocks``: its extent is unknown,
-    so the caller must name the regions itself.
-    """
-    regions: list[tuple[int, int]] = []
-    for name, layout in layers:
-        if layout.num_blocks is None:
-            raise ConfigError(
-                f"layer {name!r} has no num_blocks, so its memory extent is unknown; "
-                "pass the regions to register explicitly"
-            )
-        for i, base in enumerate(layout.base_addrs):
-            regions.append((base, layout.num_blocks * layout.block_bytes(i)))
-    return regions
 
 
 @dataclass(slots=True)
@@ -150,8 +131,8 @@ class PrefillWorker(EndpointWorker[Output, RequestFinished, str, ClientEvent]):
     ``config.session`` is replaced by ``backend.session_id`` (taken after registration,
     since some engines put the registered memory in it): Decode passes the MF_META session
     to its backend to reach this rank's memory, so nothing else can be right.
-    ``regions`` default to :func:`layout_regions` of ``config.layers``. The backend is
-    closed with the worker when ``own_backend`` is True.
+    ``regions`` default to :func:`~rd2h_runtime.regions.layout_regions` of
+    ``config.layers``. The backend is closed with the worker when ``own_backend`` is True.
 
     ``on_finished`` is called (outside the lock, on whichever thread produced it) with
     every :class:`RequestFinished`; without it, results are kept until

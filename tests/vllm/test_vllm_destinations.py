@@ -30,7 +30,7 @@ from vllm_pd_harness import NUM_BLOCKS as VLLM_NUM_BLOCKS
 
 from rd2h_protocol.errors import ConfigError, LayoutMismatch
 from rd2h_protocol.wire.layout import ComponentDest, DestinationLayout, LayerLayout, validate_layer
-from rd2h_runtime.decode import destination_regions
+from rd2h_runtime.regions import destination_regions
 from rd2h_runtime.transfer import TransferBackend
 from rd2h_runtime.transfer.base import merge_regions
 from rd2h_runtime.transfer.loopback import LoopbackBackend
