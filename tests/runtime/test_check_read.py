@@ -9,14 +9,8 @@ import numpy as np
 import pytest
 
 from rd2h_protocol.errors import ConfigError
-from rd2h_runtime.testing.check_read import (
-    CheckResult,
-    _parse_options,
-    main,
-    pattern,
-    run_check_read,
-    scatter_ranges,
-)
+from rd2h_runtime.testing.check_read import _parse_options, main, run_check_read
+from rd2h_runtime.testing.check_read_sides import CheckResult, pattern, scatter_ranges
 
 pytestmark = pytest.mark.timeout(90)
 SIZE = str(8 << 20)

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from rd2h_protocol.errors import ConfigError, TransferError
-from rd2h_runtime.testing.check_read import SourceInfo, pattern
+from rd2h_runtime.testing.check_read import SourceInfo
+from rd2h_runtime.testing.check_read_sides import pattern
 from rd2h_runtime.transfer import TransferBackend, create_backend
 from rd2h_runtime.transfer.mooncake_backend import MAX_BATCH_SLICES
 
