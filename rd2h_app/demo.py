@@ -24,7 +24,8 @@ from typing import Any
 
 from rd2h_app.progress import progress_bar
 from rd2h_protocol.errors import ProtocolError
-from rd2h_runtime.testing.engines import DecodeResult, DecodeSpec, EngineProcess, PrefillSpec
+from rd2h_runtime.testing.child_engines import EngineProcess
+from rd2h_runtime.testing.engines import DecodeResult, DecodeSpec, PrefillSpec
 from rd2h_runtime.testing.synthetic import RequestSpec, SyntheticModel, chunk_steps
 
 BACKENDS = ("nixl", "mooncake", "memfabric", "cma")

@@ -1,17 +1,16 @@
 """Synthetic Prefill and Decode engines: every TP rank of one role, in this process or a child.
 
-Over 600 lines: both roles' engines and the child runner share one spec and pipe protocol.
-
 An *engine* is what one vLLM instance would be: all TP ranks of one role, each rank a
 :class:`~rd2h_runtime.prefill.PrefillWorker` or :class:`~rd2h_runtime.decode.DecodeWorker`
 with its own transfer backend and its own sockets (the ranks of one engine share a process,
 as threads, because the Decode main pool is one TP-shared buffer). Engines run in-process
 (loopback backend, deterministic) or in a child process started with ``multiprocessing``
 spawn (nixl, mooncake: real bytes between processes), driven through a pipe by
-:class:`EngineProcess`. Sockets are on 127.0.0.1 with ports chosen at run time, unless a
-spec names its ``host`` (and, for Decode, its ``port``); a child engine can also run in a
-network namespace of its own (``netns``, see :mod:`rd2h_runtime.testing.netns`), so that two
-engines on one machine talk over a real link as two hosts would.
+:class:`~rd2h_runtime.testing.child_engines.EngineProcess`. Sockets are on 127.0.0.1 with
+ports chosen at run time, unless a spec names its ``host`` (and, for Decode, its
+``port``); a child engine can also run in a network namespace of its own (``netns``, see
+:mod:`rd2h_runtime.testing.netns`), so that two engines on one machine talk over a real
+link as two hosts would.
 
 Decode verifies every destination byte against the pattern Prefill wrote
 (:meth:`~rd2h_runtime.testing.synthetic.DecodeDestinations.verify`). ``rd2h demo`` and the
@@ -33,7 +32,7 @@ import signal
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,7 +44,6 @@ from rd2h_runtime.control import BindError, ControlOptions
 from rd2h_runtime.decode import DecodeWorker, Outcome
 from rd2h_runtime.decode_reads import MAX_BATCHED_READS
 from rd2h_runtime.prefill import PrefillWorker
-from rd2h_runtime.testing.netns import enter_host
 from rd2h_runtime.testing.synthetic import (
     BlockAllocator,
     DecodeDestinations,
@@ -505,113 +503,3 @@ class PrefillEngine:
     def close(self) -> None:
         for r in self.ranks:
             r.worker.close()
-
-
-# -- engines in child processes ----------------------------------------------------------------
-
-
-def _child_main(
-    kind: str,
-    spec: DecodeSpec | PrefillSpec,
-    conn: multiprocessing.connection.Connection,
-    events: multiprocessing.connection.Connection,
-) -> None:
-    """Child process: build the engine, then run the parent's calls until "close"."""
-    os.environ.setdefault("UCX_MODULES", "^ib")
-    engine: DecodeEngine | PrefillEngine
-    try:
-        if spec.netns is not None:  # first: before any socket or engine exists
-            enter_host(spec.netns, spec.host)
-        if kind == "decode":
-            assert isinstance(spec, DecodeSpec)
-            engine = DecodeEngine(spec, events)
-        else:
-            assert isinstance(spec, PrefillSpec)
-            engine = PrefillEngine(spec, events)
-    except Exception:
-        conn.send(("err", traceback.format_exc()))
-        return
-    conn.send(("ok", None))
-    try:
-        while True:
-            try:
-                name, args = conn.recv()
-            except EOFError:  # the parent is gone
-                return
-            if name == "close":
-                break
-            try:
-                conn.send(("ok", getattr(engine, name)(*args)))
-            except Exception:
-                conn.send(("err", traceback.format_exc()))
-    finally:
-        engine.close()
-    conn.send(("ok", None))
-
-
-class EngineProcess:
-    """An engine in a child process (multiprocessing spawn), called through a pipe."""
-
-    def __init__(self, kind: str, spec: DecodeSpec | PrefillSpec, timeout: float = 60.0) -> None:
-        ctx = multiprocessing.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.events, child_events = ctx.Pipe(duplex=False)
-        self.kind = kind
-        self.proc = ctx.Process(
-            target=_child_main, args=(kind, spec, child, child_events), name=f"{kind}-engine"
-        )
-        self.proc.start()
-        child.close()
-        child_events.close()
-        self._reply(timeout, "start")
-
-    def _reply(self, timeout: float, what: str) -> Any:
-        if not self.conn.poll(timeout):
-            raise TimeoutError(f"{self.kind} engine: no answer to {what} within {timeout} s")
-        try:
-            status, value = self.conn.recv()
-        except EOFError as exc:
-            raise RuntimeError(f"{self.kind} engine died during {what}") from exc
-        if status != "ok":
-            raise RuntimeError(f"{self.kind} engine failed in {what}:\n{value}")
-        return value
-
-    def call(self, name: str, *args: Any, timeout: float = 60.0) -> Any:
-        self.conn.send((name, args))
-        return self._reply(timeout, name)
-
-    def post(self, name: str, *args: Any) -> None:
-        """Call without waiting for the answer (for a call the child may die during)."""
-        self.conn.send((name, args))
-
-    def target(self) -> DecodeTarget:
-        target: DecodeTarget = self.call("target")
-        return target
-
-    def death(self, timeout: float) -> tuple[str, float] | None:
-        """``(what, monotonic time)`` when the child reported its death, else None."""
-        if not self.events.poll(timeout):
-            return None
-        _, what, at = self.events.recv()
-        return what, at
-
-    def close(self, timeout: float = 30.0) -> None:
-        """Ask the child to close its engine and exit; kill it if it does not."""
-        if self.proc.is_alive():
-            with contextlib.suppress(OSError, EOFError, TimeoutError, RuntimeError):
-                self.call("close", timeout=timeout)
-        self.proc.join(timeout)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join(5)
-        self.conn.close()
-        self.events.close()
-
-
-@contextlib.contextmanager
-def engine_process(kind: str, spec: DecodeSpec | PrefillSpec) -> Iterator[EngineProcess]:
-    proc = EngineProcess(kind, spec)
-    try:
-        yield proc
-    finally:
-        proc.close()

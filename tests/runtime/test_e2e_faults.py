@@ -22,6 +22,7 @@ import zmq
 
 from rd2h_protocol.errors import ErrorCode
 from rd2h_protocol.producer import DecodeTarget
+from rd2h_runtime.testing.child_engines import engine_process
 from rd2h_runtime.testing.engines import (
     FAST_CONTROL,
     HOST,
@@ -30,7 +31,6 @@ from rd2h_runtime.testing.engines import (
     DecodeSpec,
     PrefillEngine,
     PrefillSpec,
-    engine_process,
 )
 from rd2h_runtime.testing.synthetic import RequestSpec, SyntheticModel
 from tests.runtime.e2e_harness import (

@@ -9,12 +9,8 @@ from collections.abc import Sequence
 
 import pytest
 
-from rd2h_runtime.testing.engines import (
-    DecodeSpec,
-    EngineProcess,
-    PrefillSpec,
-    engine_process,
-)
+from rd2h_runtime.testing.child_engines import EngineProcess, engine_process
+from rd2h_runtime.testing.engines import DecodeSpec, PrefillSpec
 from rd2h_runtime.testing.synthetic import RequestSpec, SyntheticModel
 from tests.runtime.e2e_harness import (
     assert_clean,

@@ -36,14 +36,8 @@ from typing import Any
 import pytest
 
 from rd2h_protocol import ErrorCode
-from rd2h_runtime.testing.engines import (
-    FAST_CONTROL,
-    DecodeResult,
-    DecodeSpec,
-    EngineProcess,
-    PrefillSpec,
-    engine_process,
-)
+from rd2h_runtime.testing.child_engines import EngineProcess, engine_process
+from rd2h_runtime.testing.engines import FAST_CONTROL, DecodeResult, DecodeSpec, PrefillSpec
 from rd2h_runtime.testing.synthetic import RequestSpec, SyntheticModel
 from tests.runtime import netns
 from tests.runtime.e2e_harness import all_gates_open, assert_clean, wait_until
