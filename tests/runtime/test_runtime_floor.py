@@ -21,9 +21,13 @@ RUNTIME_PROPER = (
     "rd2h_runtime.connection_health",
     "rd2h_runtime.control",
     "rd2h_runtime.decode",
+    "rd2h_runtime.decode_reads",
+    "rd2h_runtime.decode_refusals",
     "rd2h_runtime.prefill",
+    "rd2h_runtime.regions",
     "rd2h_runtime.worker",
     "rd2h_runtime.planning",
+    "rd2h_runtime.planning_addresses",
     "rd2h_runtime.transfer",
     "rd2h_runtime.trace",
 )
