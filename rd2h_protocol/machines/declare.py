@@ -34,6 +34,13 @@ instead of one. The rows are the same rows (the table, the diagram and the check
 no difference); only the handlers of a batched input's effects take a run, so an effect
 is reached by batched inputs only or by unbatched inputs only (checked at import).
 
+An input may be declared typed (:class:`Input`: ``Input[Ctx]``): it carries ONE context
+value, and :meth:`BoundMachine.apply` fires it with that value, which mypy checks against
+the input's declared type, and every handler it reaches takes ``(owner, record, ctx)``
+instead of positional arguments padded to one shape for all the inputs that reach it.
+(:meth:`BoundMachine.fire` keeps the untyped ``*args`` form for the machines not moved
+yet: see issue 25 item 3.)
+
 An endpoint machine also declares, per effect, the output types its handler may emit
 (``MachineSpec.outputs``; every effect named, :data:`NO_EFFECT` included where used): the
 "outputs" column of specs/machines.md, and a test drives the endpoints with each handler
@@ -46,7 +53,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final, TypedDict
+from typing import Any, Final, Generic, TypedDict, TypeVar
 
 from rd2h_protocol.errors import LocalProtocolError, ProtocolError
 
@@ -62,6 +69,25 @@ class TransitionDecl(TypedDict, total=False):
 
 
 NO_EFFECT: Final = "none"
+
+C = TypeVar("C")
+
+
+class Input(str, Generic[C]):
+    """An input name that says the type of the one context value its firing carries.
+
+    It is the name (a ``str``: declarations, tables and specs use it unchanged);
+    ``Input[Ctx]`` in its annotation lets :meth:`BoundMachine.apply` check, with mypy,
+    that the context given is a ``Ctx``. Every handler the input reaches takes
+    ``(owner, record, ctx)``. At run time ``Input(name)`` IS ``name``, the plain ``str``:
+    the tables' keys and the hot path's lookups stay exact strings (a ``str`` subclass
+    key costs the dict its string fast path, ~10 ns a lookup).
+    """
+
+    __slots__ = ()
+
+    def __new__(cls, name: str) -> Input[C]:
+        return name  # type: ignore[return-value]
 
 
 @dataclass(frozen=True)
@@ -276,6 +302,23 @@ class BoundMachine:
         except KeyError:
             raise self._miss(record.state, event, error, batched=False) from None
         return handler(owner, record, *args)
+
+    def apply(
+        self,
+        owner: Any,
+        record: Any,
+        event: Input[C],
+        ctx: C,
+        *,
+        error: type[ProtocolError] = LocalProtocolError,
+    ) -> None:
+        """:meth:`fire` for a typed input: the bound handler gets ``(owner, record, ctx)``,
+        ``ctx`` of the type ``event`` declares (checked by mypy at the call)."""
+        try:
+            handler, record.state = self._dispatch[(record.state, event)]
+        except KeyError:
+            raise self._miss(record.state, event, error, batched=False) from None
+        handler(owner, record, ctx)
 
     def fire_batch(
         self,

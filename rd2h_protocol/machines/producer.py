@@ -62,12 +62,20 @@ from __future__ import annotations
 from typing import Final
 
 from rd2h_protocol.events import GateOpened, LayerReplied, RequestFinished, Send
-from rd2h_protocol.machines.declare import NO_EFFECT, MachineSpec, check_guards, stay
+from rd2h_protocol.machines.declare import NO_EFFECT, Input, MachineSpec, check_guards, stay
 from rd2h_protocol.machines.handshake import *  # noqa: F403 (re-exported: one namespace)
 from rd2h_protocol.machines.handshake import CONNECTION_HANDSHAKE, EFFECT_RELEASE, EFFECT_SEND
 from rd2h_protocol.machines.kept import *  # noqa: F403
 from rd2h_protocol.machines.kept import KEPT_REQUEST
 from rd2h_protocol.machines.producer_guards import GUARDS
+from rd2h_protocol.machines.producer_inputs import (
+    PubAt,
+    PubEnd,
+    PubExpiry,
+    PubLost,
+    PubRelease,
+    PubReply,
+)
 
 # -- storage-slot gate ---------------------------------------------------------------------
 
@@ -183,19 +191,20 @@ PUB_RELEASED: Final = "released"
 PUB_HELD: Final = "held"
 PUB_ORPHANED: Final = "orphaned"
 
-P_SEND_READINESS: Final = "SEND_READINESS"
-P_RECV_DONE: Final = "RECV_DONE"
-P_RECV_FAILED: Final = "RECV_FAILED"
-P_RECV_UNKNOWN_SESSION: Final = "RECV_UNKNOWN_SESSION"
-P_LOCAL_RELEASE: Final = "LOCAL_RELEASE"
-P_TIMER_LEASE_EXPIRED: Final = "TIMER_LEASE_EXPIRED"
-P_TIMER_LEASE_EXPIRED_UNTOLD: Final = "TIMER_LEASE_EXPIRED_UNTOLD"
-P_TIMER_LEASE_EXPIRED_UNSAFE: Final = "TIMER_LEASE_EXPIRED_UNSAFE"
-P_LOCAL_ABORT_SENT: Final = "LOCAL_ABORT_SENT"
-P_LOCAL_REOPEN_UNSAFE: Final = "LOCAL_REOPEN_UNSAFE"
-P_LOCAL_CONNECTION_LOST: Final = "LOCAL_CONNECTION_LOST"
-P_LOCAL_RESEND: Final = "LOCAL_RESEND"
-P_LOCAL_LEASE_LAPSED: Final = "LOCAL_LEASE_LAPSED"
+# Each input says the context its firing carries (BoundMachine.apply checks it).
+P_SEND_READINESS: Final[Input[PubAt]] = Input("SEND_READINESS")
+P_RECV_DONE: Final[Input[PubReply]] = Input("RECV_DONE")
+P_RECV_FAILED: Final[Input[PubReply]] = Input("RECV_FAILED")
+P_RECV_UNKNOWN_SESSION: Final[Input[PubReply]] = Input("RECV_UNKNOWN_SESSION")
+P_LOCAL_RELEASE: Final[Input[PubRelease]] = Input("LOCAL_RELEASE")
+P_TIMER_LEASE_EXPIRED: Final[Input[PubExpiry]] = Input("TIMER_LEASE_EXPIRED")
+P_TIMER_LEASE_EXPIRED_UNTOLD: Final[Input[PubExpiry]] = Input("TIMER_LEASE_EXPIRED_UNTOLD")
+P_TIMER_LEASE_EXPIRED_UNSAFE: Final[Input[PubExpiry]] = Input("TIMER_LEASE_EXPIRED_UNSAFE")
+P_LOCAL_ABORT_SENT: Final[Input[PubEnd]] = Input("LOCAL_ABORT_SENT")
+P_LOCAL_REOPEN_UNSAFE: Final[Input[PubEnd]] = Input("LOCAL_REOPEN_UNSAFE")
+P_LOCAL_CONNECTION_LOST: Final[Input[PubLost]] = Input("LOCAL_CONNECTION_LOST")
+P_LOCAL_RESEND: Final[Input[PubAt]] = Input("LOCAL_RESEND")
+P_LOCAL_LEASE_LAPSED: Final[Input[PubAt]] = Input("LOCAL_LEASE_LAPSED")
 
 EFFECT_RESEND: Final = "resend"
 EFFECT_DONE: Final = "done"
@@ -214,7 +223,7 @@ _PUB_SENT: Final = [PUB_PUBLISHED, PUB_REPLAYED]
 _PUB_WAITING: Final = [PUB_QUEUED, PUB_REQUEUED]
 # Ended for its requests, still holding its gates (see the module docstring).
 _PUB_HOLDING: Final = [PUB_HELD, PUB_ORPHANED]
-_PUB_REPLIES: Final = (P_RECV_DONE, P_RECV_FAILED, P_RECV_UNKNOWN_SESSION)
+_PUB_REPLIES: Final[tuple[str, ...]] = (P_RECV_DONE, P_RECV_FAILED, P_RECV_UNKNOWN_SESSION)
 
 LAYER_PUBLICATION: Final = MachineSpec(
     name="layer publication",

@@ -19,6 +19,7 @@ from rd2h_protocol.machines.producer import (
     PUB_HELD,
     R_LOCAL_FAILURE,
 )
+from rd2h_protocol.machines.producer_inputs import PubLost
 from rd2h_protocol.producer.config import Output
 from rd2h_protocol.producer.publications import _Publications
 from rd2h_protocol.producer.records import _Pub
@@ -51,17 +52,9 @@ class _DeadPeers(_Publications):
         # Held ones (lease ran out AND the peer is dead) end as they are met; what their
         # gates say goes out after the orphans' ABORT.
         reopened: list[Output] = []
+        lost = PubLost(now, reopened, G_LOCAL_PEER_DEAD, G_LOCAL_LAST_PEER_DEAD, orphans)
         for pub in list(c.sent.values()):
-            self._PUB.fire(
-                self,
-                pub,
-                P_LOCAL_CONNECTION_LOST,
-                now,
-                reopened,
-                G_LOCAL_PEER_DEAD,
-                G_LOCAL_LAST_PEER_DEAD,
-                orphans,
-            )
+            self._PUB.apply(self, pub, P_LOCAL_CONNECTION_LOST, lost)
         if orphans and self._can_abort_now(c):
             ids = [r.ext_id for p in orphans for r in p.requests if not r.aborted_toward_peer]
             if ids:
@@ -74,17 +67,9 @@ class _DeadPeers(_Publications):
         self._CONN.fire(self, c, C_LOCAL_CONNECTION_LOST, now, out, None, message)
         return out
 
-    def _fx_orphan(
-        self,
-        pub: _Pub,
-        _now: float,
-        _out: list[Output],
-        _one: str,
-        _last: str,
-        orphans: list[_Pub],
-    ) -> None:
+    def _fx_orphan(self, pub: _Pub, ctx: PubLost) -> None:
         """Peer dead, lease still running: its requests fail now, its gates wait."""
-        orphans.append(pub)
+        ctx.orphans.append(pub)
 
     def connection_resumed(self, conn: str, now: float) -> list[Output]:
         """The connection to Decode endpoint ``conn`` broke and came back, to the same peer.

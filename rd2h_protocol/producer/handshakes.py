@@ -40,6 +40,7 @@ from rd2h_protocol.machines.producer import (
     P_SEND_READINESS,
     PUB_HELD,
 )
+from rd2h_protocol.machines.producer_inputs import PubAt, PubEnd, PubRelease
 from rd2h_protocol.producer.config import DecodeTarget, Output
 from rd2h_protocol.producer.records import _Conn, _Pub
 from rd2h_protocol.producer.state import _ProducerState
@@ -156,7 +157,7 @@ class _Handshakes(_ProducerState):
         # lease timer, already due, reopens its storage for the next layer.
         for pub in [p for p in conn.queue if int((p.deadline - now) * 1000) <= 0]:
             self.stats.expired_leases += 1
-            self._PUB.fire(self, pub, P_LOCAL_LEASE_LAPSED, now, out, None, None)
+            self._PUB.apply(self, pub, P_LOCAL_LEASE_LAPSED, PubAt(now, out))
         queue, conn.queue = conn.queue, []
         for pub in queue:
             self._send(pub, now, out)
@@ -204,8 +205,9 @@ class _Handshakes(_ProducerState):
         else:
             self._retry_for_held_aborts(conn, now, out)
             return
+        ctx = PubEnd(now, out, one, last)
         for pub in held:
-            self._PUB.fire(self, pub, event, now, out, one, last)
+            self._PUB.apply(self, pub, event, ctx)
 
     def _retry_for_held_aborts(self, conn: _Conn, now: float, out: list[Output]) -> None:
         """Start a handshake for held ABORTs on an idle connection whose peer can take them."""
@@ -217,18 +219,10 @@ class _Handshakes(_ProducerState):
         """Release the readiness that never left: nothing can read it, the gates reopen."""
         queue, conn.queue = conn.queue, []
         conn.pending_aborts = []
-        for pub in queue:  # (release needs no time: 0.0 stands for ``now``)
-            self._PUB.fire(
-                self,
-                pub,
-                P_LOCAL_RELEASE,
-                0.0,
-                out,
-                G_LOCAL_RELEASE,
-                G_LOCAL_LAST_RELEASE,
-                code,
-                message,
-            )
+        # (release needs no time: 0.0 stands for ``now``)
+        ctx = PubRelease(0.0, out, G_LOCAL_RELEASE, G_LOCAL_LAST_RELEASE, code, message)
+        for pub in queue:
+            self._PUB.apply(self, pub, P_LOCAL_RELEASE, ctx)
 
     def _fx_fail_queued(
         self, conn: _Conn, now: float, out: list[Output], _pub: None, message: str
@@ -283,4 +277,4 @@ class _Handshakes(_ProducerState):
 
     def _send(self, pub: _Pub, now: float, out: list[Output]) -> None:
         """Put a publication on the wire (first time or replay) with a fresh seq."""
-        self._PUB.fire(self, pub, P_SEND_READINESS, now, out, None, None)
+        self._PUB.apply(self, pub, P_SEND_READINESS, PubAt(now, out))

@@ -28,6 +28,7 @@ from rd2h_protocol.machines.producer import (
     PUB_ORPHANED,
     R_LOCAL_FAILURE,
 )
+from rd2h_protocol.machines.producer_inputs import PubAt, PubExpiry
 from rd2h_protocol.producer.config import Output
 from rd2h_protocol.producer.dead_peers import _DeadPeers
 from rd2h_protocol.producer.records import _Pub
@@ -48,15 +49,11 @@ class _Leases(_DeadPeers):
         if pub.state == PUB_ORPHANED:
             # The peer was declared dead before; now its lease has run out as well.
             self._mark_expired(pub)
-            self._PUB.fire(
+            self._PUB.apply(
                 self,
                 pub,
                 P_TIMER_LEASE_EXPIRED,
-                now,
-                out,
-                G_LOCAL_PEER_DEAD,
-                G_LOCAL_LAST_PEER_DEAD,
-                (),
+                PubExpiry(now, out, G_LOCAL_PEER_DEAD, G_LOCAL_LAST_PEER_DEAD, []),
             )
             return
         self.stats.expired_leases += 1
@@ -71,26 +68,28 @@ class _Leases(_DeadPeers):
             event = P_TIMER_LEASE_EXPIRED_UNTOLD
         else:
             event = P_TIMER_LEASE_EXPIRED_UNSAFE
-        self._PUB.fire(self, pub, event, now, out, None, None, ids)
+        # (one / last: read by the orphaned row only, handled above)
+        self._PUB.apply(
+            self, pub, event, PubExpiry(now, out, G_LOCAL_PEER_DEAD, G_LOCAL_LAST_PEER_DEAD, ids)
+        )
 
     def _lease_message(self, pub: _Pub) -> str:
         return (
             f"layer {pub.layer_idx}: no reply from {pub.conn.name} within {self.config.lease_ms} ms"
         )
 
-    # The lease effects: (pub, now, out, None, None, ids of its requests not told yet).
+    # The lease effects: (pub, ctx), ``ctx.ids`` the ids of its requests not told yet.
 
-    def _fx_expire_unsent(self, pub: _Pub, _now: float, out: list[Output], *_rest: object) -> None:
+    def _fx_expire_unsent(self, pub: _Pub, ctx: PubAt) -> None:
         """Never sent (or refused unread): nothing can be reading it."""
         pub.conn.queue.remove(pub)
         message = self._lease_message(pub)
         self._fail_requests(pub, R_LOCAL_FAILURE, ErrorCode.LEASE_EXPIRED, message, {})
-        self._end_pub(pub, out, G_LOCAL_RELEASE, G_LOCAL_LAST_RELEASE)
+        self._end_pub(pub, ctx.out, G_LOCAL_RELEASE, G_LOCAL_LAST_RELEASE)
 
-    def _fx_expire_abort(
-        self, pub: _Pub, _now: float, out: list[Output], _one: None, _last: None, ids: list[str]
-    ) -> None:
+    def _fx_expire_abort(self, pub: _Pub, ctx: PubExpiry) -> None:
         """ABORT, THEN the reopened gates, then the finished requests."""
+        ids, out = ctx.ids, ctx.out
         if ids:
             self._emit_abort(pub.conn, ids, f"lease of layer {pub.layer_idx} expired", out)
         message = self._lease_message(pub)
@@ -98,18 +97,18 @@ class _Leases(_DeadPeers):
         self._mark_expired(pub)
         self._end_pub(pub, out, G_LOCAL_ABORT_SENT, G_LOCAL_LAST_ABORT_SENT)
 
-    def _fx_expire_untold(self, pub: _Pub, _now: float, out: list[Output], *_rest: object) -> None:
+    def _fx_expire_untold(self, pub: _Pub, ctx: PubAt) -> None:
         """UNSAFE (v1_lease_expiry="reopen"): reopen without telling the peer."""
+        out = ctx.out
         message = self._lease_message(pub)
         self._fail_requests(pub, R_LOCAL_FAILURE, ErrorCode.LEASE_EXPIRED, message, {})
         self._mark_expired(pub)
         self.stats.unsafe_reopens += 1
         self._end_pub(pub, out, G_LOCAL_REOPEN_UNSAFE, G_LOCAL_LAST_REOPEN_UNSAFE)
 
-    def _fx_hold(
-        self, pub: _Pub, now: float, out: list[Output], _one: None, _last: None, ids: list[str]
-    ) -> None:
+    def _fx_hold(self, pub: _Pub, ctx: PubExpiry) -> None:
         """No ABORT can go out now: the requests fail, the gates stay closed."""
+        now, out, ids = ctx.now, ctx.out, ctx.ids
         conn = pub.conn
         message = self._lease_message(pub)
         self._fail_requests(pub, R_LOCAL_FAILURE, ErrorCode.LEASE_EXPIRED, message, {})

@@ -12,6 +12,7 @@ import heapq
 
 from rd2h_protocol.errors import ErrorCode, RemoteProtocolError
 from rd2h_protocol.events import GateOpened, LayerReplied, Send
+from rd2h_protocol.machines.declare import Input
 from rd2h_protocol.machines.producer import (
     C_RECV_UNKNOWN_SESSION,
     CONN_HANDSHAKING,
@@ -27,6 +28,7 @@ from rd2h_protocol.machines.producer import (
     R_LOCAL_FAILURE,
     R_RECV_FAILURE,
 )
+from rd2h_protocol.machines.producer_inputs import PubAt, PubEnd, PubRelease, PubReply
 from rd2h_protocol.producer.config import Output
 from rd2h_protocol.producer.handshakes import _Handshakes
 from rd2h_protocol.producer.records import _Conn, _Gate, _Pub, _Request
@@ -70,7 +72,8 @@ class _Publications(_Handshakes, _Requests):
         self.stats.publications += 1
         return pub
 
-    def _fx_send(self, pub: _Pub, now: float, out: list[Output], _one: None, _last: None) -> None:
+    def _fx_send(self, pub: _Pub, ctx: PubAt) -> None:
+        now = ctx.now
         if pub.state == PUB_REPLAYED:
             self.stats.replays += 1
         conn = pub.conn
@@ -79,7 +82,7 @@ class _Publications(_Handshakes, _Requests):
         pub.seq = seq
         pub.sent_at = now
         conn.sent[seq] = pub
-        out.append(Send(conn.name, self._readiness(pub, now)))
+        ctx.out.append(Send(conn.name, self._readiness(pub, now)))
 
     def _readiness(self, pub: _Pub, now: float) -> ReadReadyBatch:
         """The readiness of ``pub`` as it goes out now (its seq, what is left of its lease)."""
@@ -109,15 +112,16 @@ class _Publications(_Handshakes, _Requests):
         and the connection is ready; skip a live one whose lease has run out."""
         if CAP_RESEND not in conn.caps or conn.state != CONN_READY_V2:
             return
+        ctx = PubAt(now, out)
         for pub in pubs:
             if pub.state != PUB_HELD and CAP_LEASE in conn.caps and _lease_ms_left(pub, now) == 0:
                 continue  # the peer could start it after the lease timer reopened the storage
-            self._PUB.fire(self, pub, P_LOCAL_RESEND, now, out, None, None)
+            self._PUB.apply(self, pub, P_LOCAL_RESEND, ctx)
 
-    def _fx_resend(self, pub: _Pub, now: float, out: list[Output], _one: None, _last: None) -> None:
+    def _fx_resend(self, pub: _Pub, ctx: PubAt) -> None:
         """Sent again under the same seq (the peer answers a repeated seq from memory)."""
         self.stats.resent += 1
-        out.append(Send(pub.conn.name, self._readiness(pub, now)))
+        ctx.out.append(Send(pub.conn.name, self._readiness(pub, ctx.now)))
 
     def _forget_seq(self, pub: _Pub) -> None:
         """Move a publication's seq from the wire map into the bounded history."""
@@ -167,7 +171,7 @@ class _Publications(_Handshakes, _Requests):
         conn: _Conn,
         wire_layer: int,
         seq: int | None,
-        event: str,
+        event: Input[PubReply],
         now: float,
         out: list[Output],
         failed: list[FailedRequest] | None = None,
@@ -178,77 +182,46 @@ class _Publications(_Handshakes, _Requests):
         if found is None:
             self.stats.unknown_replies += 1
             return
+        ctx = PubReply(now, out, G_RECV_REPLY, G_RECV_LAST_REPLY, event, failed, read_failed)
         if isinstance(found, str):  # ended: the table says duplicate or stale
-            self._PUB.react(self, None, found, event, error=RemoteProtocolError)
+            self._PUB.react(self, None, found, event, ctx, error=RemoteProtocolError)
             return
         self.stats.replies += 1
-        self._PUB.fire(
-            self,
-            found,
-            event,
-            now,
-            out,
-            G_RECV_REPLY,
-            G_RECV_LAST_REPLY,
-            event,
-            failed,
-            read_failed,
-            error=RemoteProtocolError,
-        )
+        self._PUB.apply(self, found, event, ctx, error=RemoteProtocolError)
 
-    def _fx_count_duplicate(self, _pub: None) -> None:
+    def _fx_count_duplicate(self, _pub: None, _ctx: PubReply) -> None:
         """A reply for a publication answered already (or superseded by a replay)."""
         self.stats.duplicate_replies += 1
 
-    def _fx_count_stale(self, _pub: None) -> None:
+    def _fx_count_stale(self, _pub: None, _ctx: PubReply) -> None:
         """A reply for a publication that ended without one."""
         self.stats.stale_replies += 1
 
-    # The publication machine's other effects: (pub, now, out, one, last, *input context),
-    # ``one`` / ``last`` the gate inputs by which ending it now counts it off its gates.
+    # The publication machine's other effects: (pub, ctx), ``ctx.one`` / ``ctx.last`` the
+    # gate inputs by which ending it now counts it off its gates.
 
-    def _fx_release_held(
-        self, pub: _Pub, _now: float, out: list[Output], one: str, last: str, *_rest: object
-    ) -> None:
+    def _fx_release_held(self, pub: _Pub, ctx: PubEnd) -> None:
         """Held or orphaned: its requests ended already; now its storage is free too."""
-        self._end_pub(pub, out, one, last)
+        self._end_pub(pub, ctx.out, ctx.one, ctx.last)
 
-    def _fx_requeue(self, pub: _Pub, now: float, out: list[Output], *_rest: object) -> None:
+    def _fx_requeue(self, pub: _Pub, ctx: PubAt) -> None:
         """The Decode lost our handshake, read nothing: replay after a new handshake."""
         self._forget_seq(pub)
-        self._CONN.fire(self, pub.conn, C_RECV_UNKNOWN_SESSION, now, out, pub)
+        self._CONN.fire(self, pub.conn, C_RECV_UNKNOWN_SESSION, ctx.now, ctx.out, pub)
 
-    def _fx_done(
-        self,
-        pub: _Pub,
-        now: float,
-        out: list[Output],
-        one: str,
-        last: str,
-        _event: str,
-        failed: list[FailedRequest] | None,
-        _read_failed: None,
-    ) -> None:
+    def _fx_done(self, pub: _Pub, ctx: PubReply) -> None:
         conn = pub.conn
-        out.append(LayerReplied(conn.name, pub.layer_idx, now - pub.sent_at, True))
+        ctx.out.append(LayerReplied(conn.name, pub.layer_idx, ctx.now - pub.sent_at, True))
+        failed = ctx.failed
         isolated = {f.ext_req_id: f for f in failed} if failed else {}
         if isolated:
             self.stats.isolated_failures += len(isolated)
         self._fail_requests(pub, R_RECV_FAILURE, ErrorCode.UNKNOWN, "", isolated)
-        self._end_pub(pub, out, one, last)
+        self._end_pub(pub, ctx.out, ctx.one, ctx.last)
 
-    def _fx_fail(
-        self,
-        pub: _Pub,
-        now: float,
-        out: list[Output],
-        one: str,
-        last: str,
-        event: str,
-        _failed: None,
-        read_failed: ReadFailed,
-    ) -> None:
-        conn = pub.conn
+    def _fx_fail(self, pub: _Pub, ctx: PubReply) -> None:
+        conn, now, out, read_failed = pub.conn, ctx.now, ctx.out, ctx.read_failed
+        assert read_failed is not None  # RECV_FAILED and RECV_UNKNOWN_SESSION carry it
         out.append(LayerReplied(conn.name, pub.layer_idx, now - pub.sent_at, False))
         self.stats.read_failures += 1
         code = _error_code(read_failed.code, ErrorCode.TRANSFER_FAILED)
@@ -260,24 +233,15 @@ class _Publications(_Handshakes, _Requests):
             f"layer {pub.layer_idx} read by {conn.name} failed: {message}",
             {},
         )
-        if event == P_RECV_UNKNOWN_SESSION:
+        if ctx.event == P_RECV_UNKNOWN_SESSION:
             # The replay met an unknown session too: hand-shake again for later layers.
             self._CONN.fire(self, conn, C_RECV_UNKNOWN_SESSION, now, out, None)
-        self._end_pub(pub, out, one, last)
+        self._end_pub(pub, out, ctx.one, ctx.last)
 
-    def _fx_release(
-        self,
-        pub: _Pub,
-        _now: float,
-        out: list[Output],
-        one: str,
-        last: str,
-        code: ErrorCode,
-        message: str,
-    ) -> None:
+    def _fx_release(self, pub: _Pub, ctx: PubRelease) -> None:
         """Never left (the handshake failed): nothing can read it, the gates reopen."""
-        self._fail_requests(pub, R_LOCAL_FAILURE, code, message, {})
-        self._end_pub(pub, out, one, last)
+        self._fail_requests(pub, R_LOCAL_FAILURE, ctx.code, ctx.message, {})
+        self._end_pub(pub, ctx.out, ctx.one, ctx.last)
 
     def _fail_requests(
         self,

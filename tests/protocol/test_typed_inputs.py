@@ -1,0 +1,27 @@
+"""Typed inputs (issue 25 item 3): a machine whose inputs carry one context value binds
+handlers of one shape, ``(endpoint, record, ctx)``, and ``Input(name)`` is the name itself
+at run time (the tables' keys stay plain strings)."""
+
+from __future__ import annotations
+
+import inspect
+
+from rd2h_protocol.machines.declare import NO_EFFECT, Input
+from rd2h_protocol.machines.producer import LAYER_PUBLICATION, P_SEND_READINESS
+from rd2h_protocol.producer import ProducerEndpoint
+
+
+def test_input_is_its_name_at_run_time() -> None:
+    assert type(P_SEND_READINESS) is str
+    assert Input("X") == "X" and type(Input("X")) is str
+
+
+def test_publication_handlers_take_one_context_value() -> None:
+    bound = ProducerEndpoint._PUB
+    assert bound.spec is LAYER_PUBLICATION
+    for effect, handler in bound.handlers.items():
+        if effect == NO_EFFECT:
+            continue
+        params = list(inspect.signature(handler).parameters.values())
+        assert len(params) == 3, (effect, params)
+        assert all(p.kind is p.POSITIONAL_OR_KEYWORD for p in params), (effect, params)
