@@ -264,6 +264,22 @@ TIMELINE = (
 )
 
 
+def timed_step(pair: Pair, marks: dict[str, float], layer_done: Callable[[float], None]) -> None:
+    """One engine step of every layer, each published and waited for in turn:
+    ``layer_done(publish -> gate reopen)`` after each, while ``marks`` holds its marks."""
+    for ext, main, idx in pair.chunks:
+        pair.prefill.schedule_chunk(ext, main, idx, 0, 0, False)
+    for layer in range(LAYERS):
+        marks.clear()
+        t0 = time.perf_counter()
+        pair.prefill.layer_written(layer)
+        if not pair.prefill.wait_writable(layer, 30.0):
+            raise TimeoutError(f"no reply for layer {layer} within 30 s")
+        marks["gate"] = time.perf_counter()
+        layer_done(marks["gate"] - t0)
+    pair.prefill.end_step()
+
+
 def measure_layer(
     requests: int, blocks: int, contiguous: bool, repeats: int, *, inline: bool = True
 ) -> tuple[list[float], list[float], dict[str, float], dict[str, int]]:
@@ -282,21 +298,15 @@ def measure_layer(
         gates: list[float] = []
         parts: dict[str, list[float]] = defaultdict(list)
         marks = probe.marks
+
+        def layer_done(gate: float) -> None:
+            gates.append(gate)
+            round_trips.append(marks["P reply>"] - marks["P send>"])
+            for label, a, b in TIMELINE:
+                parts[label].append(marks[b] - marks[a])
+
         while len(gates) < repeats:
-            for ext, main, idx in pair.chunks:
-                pair.prefill.schedule_chunk(ext, main, idx, 0, 0, False)
-            for layer in range(LAYERS):
-                marks.clear()
-                t0 = time.perf_counter()
-                pair.prefill.layer_written(layer)
-                if not pair.prefill.wait_writable(layer, 30.0):
-                    raise TimeoutError(f"no reply for layer {layer} within 30 s")
-                marks["gate"] = time.perf_counter()
-                gates.append(marks["gate"] - t0)
-                round_trips.append(marks["P reply>"] - marks["P send>"])
-                for label, a, b in TIMELINE:
-                    parts[label].append(marks[b] - marks[a])
-            pair.prefill.end_step()
+            timed_step(pair, marks, layer_done)
         medians = {label: statistics.median(v) for label, v in parts.items()}
         return round_trips, gates, medians, dict(probe.sizes)
     finally:
@@ -321,17 +331,12 @@ def inline_ab(requests: int, blocks: int, repeats: int) -> tuple[float, float, f
         for n in range(2 * max(1, repeats // LAYERS)):
             inline = n % 4 in (0, 3)
             pair.decode.inline_read_bytes = INLINE_READ_BYTES if inline else 0
-            for ext, main, idx in pair.chunks:
-                pair.prefill.schedule_chunk(ext, main, idx, 0, 0, False)
-            for layer in range(LAYERS):
-                marks.clear()
-                t0 = time.perf_counter()
-                pair.prefill.layer_written(layer)
-                if not pair.prefill.wait_writable(layer, 30.0):
-                    raise TimeoutError(f"no reply for layer {layer} within 30 s")
-                gates[inline].append(time.perf_counter() - t0)
+
+            def layer_done(gate: float, inline: bool = inline) -> None:
+                gates[inline].append(gate)
                 rtts[inline].append(marks["P reply>"] - marks["P send>"])
-            pair.prefill.end_step()
+
+            timed_step(pair, marks, layer_done)
         med = statistics.median
         return med(rtts[True]), med(rtts[False]), med(gates[True]), med(gates[False])
     finally:
