@@ -10,8 +10,9 @@ from __future__ import annotations
 from typing import Final
 
 from rd2h_protocol.events import Connect, Send
-from rd2h_protocol.machines.declare import MachineSpec, stay
+from rd2h_protocol.machines.declare import Input, MachineSpec, stay
 from rd2h_protocol.machines.producer_guards import GUARDS
+from rd2h_protocol.machines.producer_inputs import ConnAck, ConnAt, ConnEnd
 
 __all__ = [
     "CONNECTION_HANDSHAKE",
@@ -52,15 +53,16 @@ CONN_READY_V1: Final = "ready_v1"
 CONN_READY_V2: Final = "ready_v2"
 CONN_REFUSED: Final = "refused"
 
-C_LOCAL_PUBLISH: Final = "LOCAL_PUBLISH"
-C_RECV_ACK_V1: Final = "RECV_ACK_V1"
-C_RECV_ACK_V2: Final = "RECV_ACK_V2"
-C_RECV_ACK_REFUSED: Final = "RECV_ACK_REFUSED"
-C_TIMER_HANDSHAKE_EXPIRED: Final = "TIMER_HANDSHAKE_EXPIRED"
-C_RECV_UNKNOWN_SESSION: Final = "RECV_UNKNOWN_SESSION"
-C_LOCAL_PUBLISH_RETRY: Final = "LOCAL_PUBLISH_RETRY"
-C_LOCAL_HELD_ABORTS: Final = "LOCAL_HELD_ABORTS"
-C_LOCAL_CONNECTION_LOST: Final = "LOCAL_CONNECTION_LOST"
+# Each input says the context its firing carries (BoundMachine.apply checks it).
+C_LOCAL_PUBLISH: Final[Input[ConnAt]] = Input("LOCAL_PUBLISH")
+C_RECV_ACK_V1: Final[Input[ConnAck]] = Input("RECV_ACK_V1")
+C_RECV_ACK_V2: Final[Input[ConnAck]] = Input("RECV_ACK_V2")
+C_RECV_ACK_REFUSED: Final[Input[ConnAck]] = Input("RECV_ACK_REFUSED")
+C_TIMER_HANDSHAKE_EXPIRED: Final[Input[ConnEnd]] = Input("TIMER_HANDSHAKE_EXPIRED")
+C_RECV_UNKNOWN_SESSION: Final[Input[ConnAt]] = Input("RECV_UNKNOWN_SESSION")
+C_LOCAL_PUBLISH_RETRY: Final[Input[ConnAt]] = Input("LOCAL_PUBLISH_RETRY")
+C_LOCAL_HELD_ABORTS: Final[Input[ConnAt]] = Input("LOCAL_HELD_ABORTS")
+C_LOCAL_CONNECTION_LOST: Final[Input[ConnEnd]] = Input("LOCAL_CONNECTION_LOST")
 
 EFFECT_SEND_META: Final = "send_meta"
 EFFECT_QUEUE: Final = "queue"

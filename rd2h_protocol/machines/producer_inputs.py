@@ -1,4 +1,5 @@
-"""The context each layer publication input carries (:class:`~.declare.Input` types).
+"""The context each layer publication and connection handshake input carries
+(:class:`~.declare.Input` types).
 
 One value per firing instead of padded positional arguments: every handler an input
 reaches takes ``(endpoint, publication, ctx)`` and reads the fields it needs; a handler
@@ -14,12 +15,22 @@ from typing import TYPE_CHECKING
 
 from rd2h_protocol.errors import ErrorCode
 from rd2h_protocol.events import ProducerOutput
-from rd2h_protocol.wire.messages import FailedRequest, ReadFailed
+from rd2h_protocol.wire.messages import Ack, FailedRequest, ReadFailed
 
 if TYPE_CHECKING:
     from rd2h_protocol.producer.records import _Pub
 
-__all__ = ["PubAt", "PubEnd", "PubExpiry", "PubLost", "PubRelease", "PubReply"]
+__all__ = [
+    "ConnAck",
+    "ConnAt",
+    "ConnEnd",
+    "PubAt",
+    "PubEnd",
+    "PubExpiry",
+    "PubLost",
+    "PubRelease",
+    "PubReply",
+]
 
 
 @dataclass(slots=True)
@@ -73,3 +84,31 @@ class PubExpiry(PubEnd):
     peer is dead; the other rows' handlers name their own gate inputs)."""
 
     ids: list[str]
+
+
+# -- connection handshake ------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class ConnAt:
+    """``LOCAL_PUBLISH`` (and ``_RETRY``), ``RECV_UNKNOWN_SESSION``, ``LOCAL_HELD_ABORTS``:
+    when, where the outputs go, and the publication that waits for the connection (None
+    when no publication is at stake; ``LOCAL_PUBLISH`` always names one)."""
+
+    now: float
+    out: list[ProducerOutput]
+    pub: _Pub | None
+
+
+@dataclass(slots=True)
+class ConnAck(ConnAt):
+    """``RECV_ACK_V1``, ``RECV_ACK_V2``, ``RECV_ACK_REFUSED``: the peer's answer."""
+
+    ack: Ack
+
+
+@dataclass(slots=True)
+class ConnEnd(ConnAt):
+    """``TIMER_HANDSHAKE_EXPIRED``, ``LOCAL_CONNECTION_LOST``: why what waited fails."""
+
+    message: str

@@ -19,7 +19,7 @@ from rd2h_protocol.machines.producer import (
     PUB_HELD,
     R_LOCAL_FAILURE,
 )
-from rd2h_protocol.machines.producer_inputs import PubLost
+from rd2h_protocol.machines.producer_inputs import ConnEnd, PubLost
 from rd2h_protocol.producer.config import Output
 from rd2h_protocol.producer.publications import _Publications
 from rd2h_protocol.producer.records import _Pub
@@ -64,7 +64,7 @@ class _DeadPeers(_Publications):
         out.extend(reopened)
         for pub in orphans:  # the requests end now, the gates at the lease
             self._drain_pub(pub, out)
-        self._CONN.fire(self, c, C_LOCAL_CONNECTION_LOST, now, out, None, message)
+        self._CONN.apply(self, c, C_LOCAL_CONNECTION_LOST, ConnEnd(now, out, None, message))
         return out
 
     def _fx_orphan(self, pub: _Pub, ctx: PubLost) -> None:

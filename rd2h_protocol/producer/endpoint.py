@@ -66,6 +66,7 @@ from rd2h_protocol.machines.producer import (
     REQ_PUBLISHING,
     STORAGE_GATE,
 )
+from rd2h_protocol.machines.producer_inputs import ConnEnd
 from rd2h_protocol.producer.config import DecodeTarget, Output, PublicationView
 from rd2h_protocol.producer.dead_peers import _DeadPeers
 from rd2h_protocol.producer.handshakes import _Handshakes
@@ -383,7 +384,9 @@ class ProducerEndpoint(_KeptRequests):
                     f"handshake with {conn.name} timed out after "
                     f"{self.config.handshake_timeout_s} s"
                 )
-                self._CONN.fire(self, conn, C_TIMER_HANDSHAKE_EXPIRED, now, out, None, message)
+                self._CONN.apply(
+                    self, conn, C_TIMER_HANDSHAKE_EXPIRED, ConnEnd(now, out, None, message)
+                )
         return out
 
     # -- views for invariant checks --------------------------------------------------------

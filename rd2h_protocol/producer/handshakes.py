@@ -40,7 +40,14 @@ from rd2h_protocol.machines.producer import (
     P_SEND_READINESS,
     PUB_HELD,
 )
-from rd2h_protocol.machines.producer_inputs import PubAt, PubEnd, PubRelease
+from rd2h_protocol.machines.producer_inputs import (
+    ConnAck,
+    ConnAt,
+    ConnEnd,
+    PubAt,
+    PubEnd,
+    PubRelease,
+)
 from rd2h_protocol.producer.config import DecodeTarget, Output
 from rd2h_protocol.producer.records import _Conn, _Pub
 from rd2h_protocol.producer.state import _ProducerState
@@ -120,14 +127,15 @@ class _Handshakes(_ProducerState):
             event = C_RECV_ACK_V1
         else:
             event = C_RECV_ACK_V2
-        self._CONN.fire(self, conn, event, now, out, None, ack, error=RemoteProtocolError)
+        self._CONN.apply(self, conn, event, ConnAck(now, out, None, ack), error=RemoteProtocolError)
 
-    def _fx_count_stray_ack(self, conn: _Conn, *_args: object) -> None:
+    def _fx_count_stray_ack(self, conn: _Conn, _ctx: ConnAck) -> None:
         """An ACK no handshake waits for (a duplicate, or after a timeout): counted."""
         self.stats.dropped += 1
 
-    def _fx_refused(self, conn: _Conn, now: float, out: list[Output], _pub: None, ack: Ack) -> None:
+    def _fx_refused(self, conn: _Conn, ctx: ConnAck) -> None:
         """Refused: back off (doubling per refusal), fail the readiness queued for it."""
+        now, out, ack = ctx.now, ctx.out, ctx.ack
         self._end_handshake(conn)
         self.stats.handshakes_refused += 1
         conn.caps = frozenset()
@@ -144,8 +152,9 @@ class _Handshakes(_ProducerState):
         self._fail_queued(conn, ErrorCode.INCOMPATIBLE, conn.refusal, out)
         self._settle_held(conn, now, out)
 
-    def _fx_flush(self, conn: _Conn, now: float, out: list[Output], _pub: None, ack: Ack) -> None:
+    def _fx_flush(self, conn: _Conn, ctx: ConnAck) -> None:
         """Ready: send the readiness queued for the handshake, then the ABORTs."""
+        now, out, ack = ctx.now, ctx.out, ctx.ack
         self._end_handshake(conn)
         conn.refusals = 0
         if conn.state == CONN_READY_V2:
@@ -213,7 +222,7 @@ class _Handshakes(_ProducerState):
         """Start a handshake for held ABORTs on an idle connection whose peer can take them."""
         if conn.state == CONN_IDLE and CAP_ABORT in conn.caps:
             self.stats.handshake_retries += 1
-            self._CONN.fire(self, conn, C_LOCAL_HELD_ABORTS, now, out, None)
+            self._CONN.apply(self, conn, C_LOCAL_HELD_ABORTS, ConnAt(now, out, None))
 
     def _fail_queued(self, conn: _Conn, code: ErrorCode, message: str, out: list[Output]) -> None:
         """Release the readiness that never left: nothing can read it, the gates reopen."""
@@ -224,20 +233,18 @@ class _Handshakes(_ProducerState):
         for pub in queue:
             self._PUB.apply(self, pub, P_LOCAL_RELEASE, ctx)
 
-    def _fx_fail_queued(
-        self, conn: _Conn, now: float, out: list[Output], _pub: None, message: str
-    ) -> None:
+    def _fx_fail_queued(self, conn: _Conn, ctx: ConnEnd) -> None:
         """The handshake timed out: release the readiness queued for it."""
-        self._fail_queued(conn, ErrorCode.TIMEOUT, message, out)
-        self._settle_held(conn, now, out)
+        self._fail_queued(conn, ErrorCode.TIMEOUT, ctx.message, ctx.out)
+        self._settle_held(conn, ctx.now, ctx.out)
 
-    def _fx_reset(self, c: _Conn, now: float, out: list[Output], _pub: None, message: str) -> None:
+    def _fx_reset(self, c: _Conn, ctx: ConnEnd) -> None:
         """Forget the handshake (the peer that comes back is a new process), fail what
         waited for it."""
         self._end_handshake(c)
         c.refusals, c.retry_at, c.refusal = 0, 0.0, ""
         c.reconnect = c.connected
-        self._fail_queued(c, ErrorCode.CONNECTION_LOST, message, out)
+        self._fail_queued(c, ErrorCode.CONNECTION_LOST, ctx.message, ctx.out)
 
     def _conn_publish(self, pub: _Pub, now: float, out: list[Output]) -> None:
         conn = pub.conn
@@ -245,15 +252,18 @@ class _Handshakes(_ProducerState):
         if conn.state == CONN_REFUSED and now >= conn.retry_at:
             event = C_LOCAL_PUBLISH_RETRY  # the backoff has passed: try a fresh MF_META
             self.stats.handshake_retries += 1
-        self._CONN.fire(self, conn, event, now, out, pub)
+        self._CONN.apply(self, conn, event, ConnAt(now, out, pub))
 
-    # The connection machine's publish effects: (conn, now, out, pub or None).
+    # The connection machine's publish effects: (conn, ctx), ``ctx.pub`` or None.
 
-    def _fx_conn_send(self, conn: _Conn, now: float, out: list[Output], pub: _Pub) -> None:
-        self._send(pub, now, out)
+    def _fx_conn_send(self, conn: _Conn, ctx: ConnAt) -> None:
+        assert ctx.pub is not None  # LOCAL_PUBLISH names its publication
+        self._send(ctx.pub, ctx.now, ctx.out)
 
-    def _fx_conn_release(self, conn: _Conn, now: float, out: list[Output], pub: _Pub) -> None:
+    def _fx_conn_release(self, conn: _Conn, ctx: ConnAt) -> None:
         """Refused, backoff running: nothing will be read, fail it at once."""
+        pub, now, out = ctx.pub, ctx.now, ctx.out
+        assert pub is not None  # LOCAL_PUBLISH names its publication
         conn.queue.append(pub)
         self._fail_queued(
             conn,
@@ -262,16 +272,16 @@ class _Handshakes(_ProducerState):
             out,
         )
 
-    def _fx_send_meta(
-        self, conn: _Conn, now: float, out: list[Output], pub: _Pub | None, *_rest: object
-    ) -> None:
+    def _fx_send_meta(self, conn: _Conn, ctx: ConnAt) -> None:
         """Start a handshake; the publication (if any) waits for it in this queue."""
-        self._start_handshake(conn, now, out)
+        self._start_handshake(conn, ctx.now, ctx.out)
+        pub = ctx.pub
         if pub is not None:
             conn.queue.append(pub)
 
-    def _fx_queue(self, conn: _Conn, now: float, out: list[Output], pub: _Pub | None) -> None:
+    def _fx_queue(self, conn: _Conn, ctx: ConnAt) -> None:
         """A handshake runs: the publication (if any) waits for it in this queue."""
+        pub = ctx.pub
         if pub is not None:
             conn.queue.append(pub)
 

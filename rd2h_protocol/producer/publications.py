@@ -28,7 +28,7 @@ from rd2h_protocol.machines.producer import (
     R_LOCAL_FAILURE,
     R_RECV_FAILURE,
 )
-from rd2h_protocol.machines.producer_inputs import PubAt, PubEnd, PubRelease, PubReply
+from rd2h_protocol.machines.producer_inputs import ConnAt, PubAt, PubEnd, PubRelease, PubReply
 from rd2h_protocol.producer.config import Output
 from rd2h_protocol.producer.handshakes import _Handshakes
 from rd2h_protocol.producer.records import _Conn, _Gate, _Pub, _Request
@@ -207,7 +207,7 @@ class _Publications(_Handshakes, _Requests):
     def _fx_requeue(self, pub: _Pub, ctx: PubAt) -> None:
         """The Decode lost our handshake, read nothing: replay after a new handshake."""
         self._forget_seq(pub)
-        self._CONN.fire(self, pub.conn, C_RECV_UNKNOWN_SESSION, ctx.now, ctx.out, pub)
+        self._CONN.apply(self, pub.conn, C_RECV_UNKNOWN_SESSION, ConnAt(ctx.now, ctx.out, pub))
 
     def _fx_done(self, pub: _Pub, ctx: PubReply) -> None:
         conn = pub.conn
@@ -235,7 +235,7 @@ class _Publications(_Handshakes, _Requests):
         )
         if ctx.event == P_RECV_UNKNOWN_SESSION:
             # The replay met an unknown session too: hand-shake again for later layers.
-            self._CONN.fire(self, conn, C_RECV_UNKNOWN_SESSION, now, out, None)
+            self._CONN.apply(self, conn, C_RECV_UNKNOWN_SESSION, ConnAt(now, out, None))
         self._end_pub(pub, out, ctx.one, ctx.last)
 
     def _fx_release(self, pub: _Pub, ctx: PubRelease) -> None:

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import inspect
 
-from rd2h_protocol.machines.declare import NO_EFFECT, Input
-from rd2h_protocol.machines.producer import LAYER_PUBLICATION, P_SEND_READINESS
+import pytest
+
+from rd2h_protocol.machines.declare import NO_EFFECT, BoundMachine, Input
+from rd2h_protocol.machines.producer import P_SEND_READINESS
 from rd2h_protocol.producer import ProducerEndpoint
 
 
@@ -16,9 +18,12 @@ def test_input_is_its_name_at_run_time() -> None:
     assert Input("X") == "X" and type(Input("X")) is str
 
 
-def test_publication_handlers_take_one_context_value() -> None:
-    bound = ProducerEndpoint._PUB
-    assert bound.spec is LAYER_PUBLICATION
+#: The machines moved to typed inputs so far.
+TYPED: tuple[BoundMachine, ...] = (ProducerEndpoint._PUB, ProducerEndpoint._CONN)
+
+
+@pytest.mark.parametrize("bound", TYPED, ids=lambda b: b.spec.name)
+def test_handlers_take_one_context_value(bound: BoundMachine) -> None:
     for effect, handler in bound.handlers.items():
         if effect == NO_EFFECT:
             continue
