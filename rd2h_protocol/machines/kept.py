@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from typing import Final
 
-from rd2h_protocol.events import ClaimAnswered, RequestFinished
-from rd2h_protocol.machines.declare import NO_EFFECT, MachineSpec, stay
+from rd2h_protocol.events import ClaimAnswered, ProducerOutput, RequestFinished
+from rd2h_protocol.machines.declare import NO_EFFECT, Input, MachineSpec, stay
 from rd2h_protocol.machines.producer_guards import GUARDS
+from rd2h_protocol.machines.producer_inputs import ClaimAt
 
 __all__ = [
     "EFFECT_PUBLISH_KEPT",
@@ -34,10 +35,10 @@ KEPT_CLAIMED: Final = "claimed"
 KEPT_DELIVERED: Final = "delivered"
 KEPT_UNCLAIMED: Final = "unclaimed"
 
-K_RECV_CLAIM: Final = "RECV_CLAIM"
-K_RECV_CLAIM_UNUSABLE: Final = "RECV_CLAIM_UNUSABLE"
-K_LOCAL_FINISHED: Final = "LOCAL_FINISHED"
-K_TIMER_CLAIM_EXPIRED: Final = "TIMER_CLAIM_EXPIRED"
+K_RECV_CLAIM: Final[Input[ClaimAt]] = Input("RECV_CLAIM")
+K_RECV_CLAIM_UNUSABLE: Final[Input[ClaimAt]] = Input("RECV_CLAIM_UNUSABLE")
+K_LOCAL_FINISHED: Final[Input[None]] = Input("LOCAL_FINISHED")
+K_TIMER_CLAIM_EXPIRED: Final[Input[list[ProducerOutput]]] = Input("TIMER_CLAIM_EXPIRED")
 
 EFFECT_PUBLISH_KEPT: Final = "publish_kept"
 EFFECT_REFUSE_CLAIM: Final = "refuse_claim"

@@ -61,7 +61,7 @@ from __future__ import annotations
 
 from typing import Final
 
-from rd2h_protocol.events import GateOpened, LayerReplied, RequestFinished, Send
+from rd2h_protocol.events import GateOpened, LayerReplied, ProducerOutput, RequestFinished, Send
 from rd2h_protocol.machines.declare import NO_EFFECT, Input, MachineSpec, check_guards, stay
 from rd2h_protocol.machines.handshake import *  # noqa: F403 (re-exported: one namespace)
 from rd2h_protocol.machines.handshake import CONNECTION_HANDSHAKE, EFFECT_RELEASE, EFFECT_SEND
@@ -75,6 +75,10 @@ from rd2h_protocol.machines.producer_inputs import (
     PubLost,
     PubRelease,
     PubReply,
+    ReqAbort,
+    ReqChunk,
+    ReqFailure,
+    ReqPeerAbort,
 )
 
 # -- storage-slot gate ---------------------------------------------------------------------
@@ -441,15 +445,15 @@ REQ_COMPLETE: Final = "complete"
 REQ_FAILED: Final = "failed"
 REQ_ABORTED: Final = "aborted"
 
-R_LOCAL_CHUNK: Final = "LOCAL_CHUNK"
-R_LOCAL_FINAL_CHUNK: Final = "LOCAL_FINAL_CHUNK"
-R_SEND_DONE: Final = "SEND_DONE"
-R_RECV_FAILURE: Final = "RECV_FAILURE"
-R_LOCAL_FAILURE: Final = "LOCAL_FAILURE"
-R_LOCAL_ABORT: Final = "LOCAL_ABORT"
-R_RECV_ABORT: Final = "RECV_ABORT"
-R_LOCAL_DRAINED: Final = "LOCAL_DRAINED"
-R_LOCAL_CLAIMED: Final = "LOCAL_CLAIMED"
+R_LOCAL_CHUNK: Final[Input[ReqChunk]] = Input("LOCAL_CHUNK")
+R_LOCAL_FINAL_CHUNK: Final[Input[ReqChunk]] = Input("LOCAL_FINAL_CHUNK")
+R_SEND_DONE: Final[Input[None]] = Input("SEND_DONE")
+R_RECV_FAILURE: Final[Input[ReqFailure]] = Input("RECV_FAILURE")
+R_LOCAL_FAILURE: Final[Input[ReqFailure]] = Input("LOCAL_FAILURE")
+R_LOCAL_ABORT: Final[Input[ReqAbort]] = Input("LOCAL_ABORT")
+R_RECV_ABORT: Final[Input[ReqPeerAbort]] = Input("RECV_ABORT")
+R_LOCAL_DRAINED: Final[Input[list[ProducerOutput]]] = Input("LOCAL_DRAINED")
+R_LOCAL_CLAIMED: Final[Input[ReqChunk]] = Input("LOCAL_CLAIMED")
 
 EFFECT_SCHEDULE: Final = "schedule"
 EFFECT_IGNORE: Final = "ignore"

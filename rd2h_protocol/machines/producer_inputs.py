@@ -1,5 +1,5 @@
-"""The context each layer publication and connection handshake input carries
-(:class:`~.declare.Input` types).
+"""The context each input of the Prefill side's machines carries (:class:`~.declare.Input`
+types); an input that carries nothing is an ``Input[None]``.
 
 One value per firing instead of padded positional arguments: every handler an input
 reaches takes ``(endpoint, publication, ctx)`` and reads the fields it needs; a handler
@@ -14,13 +14,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from rd2h_protocol.errors import ErrorCode
-from rd2h_protocol.events import ProducerOutput
-from rd2h_protocol.wire.messages import Ack, FailedRequest, ReadFailed
+from rd2h_protocol.events import Chunk, ProducerOutput
+from rd2h_protocol.wire.messages import Abort, Ack, FailedRequest, ReadFailed
 
 if TYPE_CHECKING:
-    from rd2h_protocol.producer.records import _Pub
+    from rd2h_protocol.producer.records import _Conn, _Pub
 
 __all__ = [
+    "ClaimAt",
     "ConnAck",
     "ConnAt",
     "ConnEnd",
@@ -30,6 +31,10 @@ __all__ = [
     "PubLost",
     "PubRelease",
     "PubReply",
+    "ReqAbort",
+    "ReqChunk",
+    "ReqFailure",
+    "ReqPeerAbort",
 ]
 
 
@@ -112,3 +117,56 @@ class ConnEnd(ConnAt):
     """``TIMER_HANDSHAKE_EXPIRED``, ``LOCAL_CONNECTION_LOST``: why what waited fails."""
 
     message: str
+
+
+# -- Prefill request -----------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class ReqChunk:
+    """``LOCAL_CHUNK``, ``LOCAL_FINAL_CHUNK``, ``LOCAL_CLAIMED``: the step's chunk and its
+    block ids (checked, as lists)."""
+
+    chunk: Chunk
+    main: list[int]
+    indexer: list[int]
+
+
+@dataclass(slots=True)
+class ReqFailure:
+    """``RECV_FAILURE``, ``LOCAL_FAILURE``: why it stops (the first reason is kept)."""
+
+    code: ErrorCode
+    message: str
+
+
+@dataclass(slots=True)
+class ReqAbort:
+    """``LOCAL_ABORT``: our reason, and the ids to tell each connection, collected."""
+
+    reason: str
+    by_conn: dict[str, list[str]]
+
+
+@dataclass(slots=True)
+class ReqPeerAbort:
+    """``RECV_ABORT``: the Decode's ABORT and the connection it came on."""
+
+    conn: _Conn
+    msg: Abort
+
+
+# -- kept request --------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class ClaimAt:
+    """``RECV_CLAIM``, ``RECV_CLAIM_UNUSABLE``: the claiming connection (None when its
+    target is refused), the claim's chunk, why it is unusable ("" when usable), when, and
+    where the outputs go."""
+
+    conn: _Conn | None
+    chunk: Chunk
+    problem: str
+    now: float
+    out: list[ProducerOutput]

@@ -66,7 +66,7 @@ from rd2h_protocol.machines.producer import (
     REQ_PUBLISHING,
     STORAGE_GATE,
 )
-from rd2h_protocol.machines.producer_inputs import ConnEnd
+from rd2h_protocol.machines.producer_inputs import ConnEnd, ReqAbort, ReqChunk
 from rd2h_protocol.producer.config import DecodeTarget, Output, PublicationView
 from rd2h_protocol.producer.dead_peers import _DeadPeers
 from rd2h_protocol.producer.handshakes import _Handshakes
@@ -182,7 +182,7 @@ class ProducerEndpoint(_KeptRequests):
         if (main and min(main) < 0) or (indexer and min(indexer) < 0):
             raise LocalProtocolError(f"request {ext_req_id!r}: block ids must be >= 0")
         event = R_LOCAL_FINAL_CHUNK if chunk.final else R_LOCAL_CHUNK
-        self._REQUEST.fire(self, req, event, chunk, main, indexer)
+        self._REQUEST.apply(self, req, event, ReqChunk(chunk, main, indexer))
         return []
 
     def can_overwrite(self, layer_idx: int) -> bool:
@@ -241,7 +241,7 @@ class ProducerEndpoint(_KeptRequests):
                     read_reqs.append(chunk)
                 if last and state == REQ_FINAL_SCHEDULED:
                     done.append(req.ext_id)
-                    self._REQUEST.fire(self, req, R_SEND_DONE)
+                    self._REQUEST.apply(self, req, R_SEND_DONE, None)
                 elif chunk is None:
                     continue
                 named.append(req)
@@ -287,12 +287,13 @@ class ProducerEndpoint(_KeptRequests):
         del now
         out: list[Output] = []
         by_conn: dict[str, list[str]] = {}
+        abort = ReqAbort(reason, by_conn)
         touched: list[_Request] = []
         for ext_id in ext_ids:
             req = self._requests.get(ext_id)
             if req is None:
                 continue
-            self._REQUEST.fire(self, req, R_LOCAL_ABORT, reason, by_conn)
+            self._REQUEST.apply(self, req, R_LOCAL_ABORT, abort)
             touched.append(req)
         for name, ids in by_conn.items():
             self._send_abort(self._conns[name], ids, reason, out)

@@ -31,6 +31,7 @@ from rd2h_protocol.machines.producer import (
     R_LOCAL_CLAIMED,
     R_SEND_DONE,
 )
+from rd2h_protocol.machines.producer_inputs import ClaimAt, ReqChunk
 from rd2h_protocol.producer.config import DecodeTarget, Output
 from rd2h_protocol.producer.leases import _Leases
 from rd2h_protocol.producer.records import _Conn, _Kept, _Pub, _Request
@@ -118,24 +119,26 @@ class _KeptRequests(_Leases):
         if conn is not None and conn.state == CONN_READY_V1:
             problem = f"Decode {conn.name} speaks protocol v1, which has no Prefill-first flow"
         if problem:
-            self._KEPT.fire(self, kept, K_RECV_CLAIM_UNUSABLE, None, chunk, problem, now, out)
+            self._KEPT.apply(
+                self, kept, K_RECV_CLAIM_UNUSABLE, ClaimAt(None, chunk, problem, now, out)
+            )
         else:
-            self._KEPT.fire(self, kept, K_RECV_CLAIM, conn, chunk, "", now, out)
+            self._KEPT.apply(self, kept, K_RECV_CLAIM, ClaimAt(conn, chunk, "", now, out))
         return out
 
-    # The kept machine's claim effects: (kept, conn or None, chunk, problem, now, out).
+    # The kept machine's claim effects: (kept, ctx: ClaimAt).
 
-    def _fx_publish_kept(
-        self, kept: _Kept, conn: _Conn, chunk: Chunk, _problem: str, now: float, out: list[Output]
-    ) -> None:
+    def _fx_publish_kept(self, kept: _Kept, ctx: ClaimAt) -> None:
         """Claimed: register the request toward its Decode, publish every layer at once."""
+        conn, chunk, now, out = ctx.conn, ctx.chunk, ctx.now, ctx.out
+        assert conn is not None  # RECV_CLAIM: a usable claim names its connection
         del self._kept_timers[kept.uid]
         kept.claimed_by = conn.name
         self.stats.claimed += 1
         req = _Request(kept.ext_id, conn, PREFILL_REQUEST.initial)
         self._requests[kept.ext_id] = req
         main, indexer = list(chunk.main_block_ids), list(chunk.indexer_block_ids)
-        self._REQUEST.fire(self, req, R_LOCAL_CLAIMED, chunk, main, indexer)
+        self._REQUEST.apply(self, req, R_LOCAL_CLAIMED, ReqChunk(chunk, main, indexer))
         out.append(ClaimAnswered(kept.ext_id, True, None, ""))
         deadline = now + self._lease_s
         read_reqs = [req.chunk] if req.chunk is not None else []
@@ -144,22 +147,15 @@ class _KeptRequests(_Leases):
             done: list[str] = []
             if layer_idx == self._last_layer:
                 done.append(req.ext_id)
-                self._REQUEST.fire(self, req, R_SEND_DONE)
+                self._REQUEST.apply(self, req, R_SEND_DONE, None)
             pubs.append(self._publish(layer_idx, slots, read_reqs, done, [req], deadline))
         req.chunk = None
         for pub in pubs:
             self._conn_publish(pub, now, out)
 
-    def _fx_refuse_claim(
-        self,
-        kept: _Kept,
-        _conn: _Conn | None,
-        _chunk: Chunk,
-        problem: str,
-        _now: float,
-        out: list[Output],
-    ) -> None:
+    def _fx_refuse_claim(self, kept: _Kept, ctx: ClaimAt) -> None:
         """A claim this Prefill does not publish: say why."""
+        problem, out = ctx.problem, ctx.out
         self.stats.claims_refused += 1
         if not problem:
             problem = (
@@ -168,11 +164,11 @@ class _KeptRequests(_Leases):
             )
         out.append(ClaimAnswered(kept.ext_id, False, ErrorCode.UNKNOWN_REQUEST, problem))
 
-    def _fx_schedule_claimed(
-        self, req: _Request, chunk: Chunk, main: list[int], indexer: list[int]
-    ) -> None:
+    def _fx_schedule_claimed(self, req: _Request, ctx: ReqChunk) -> None:
         """The claimed request's blocks, published by the claim itself (no compute step)."""
+        main, indexer = ctx.main, ctx.indexer
         if main or indexer:
+            chunk = ctx.chunk
             req.chunk = ReadReq(req.ext_id, main, indexer, chunk.main_start, chunk.indexer_start)
 
     def _claim_expired(self, uid: int, out: list[Output]) -> bool:
@@ -180,7 +176,7 @@ class _KeptRequests(_Leases):
         kept = self._kept_timers.pop(uid, None)
         if kept is None:
             return False
-        self._KEPT.fire(self, kept, K_TIMER_CLAIM_EXPIRED, out)
+        self._KEPT.apply(self, kept, K_TIMER_CLAIM_EXPIRED, out)
         return True
 
     def _fx_release_unclaimed(self, kept: _Kept, out: list[Output]) -> None:

@@ -28,7 +28,14 @@ from rd2h_protocol.machines.producer import (
     R_LOCAL_FAILURE,
     R_RECV_FAILURE,
 )
-from rd2h_protocol.machines.producer_inputs import ConnAt, PubAt, PubEnd, PubRelease, PubReply
+from rd2h_protocol.machines.producer_inputs import (
+    ConnAt,
+    PubAt,
+    PubEnd,
+    PubRelease,
+    PubReply,
+    ReqFailure,
+)
 from rd2h_protocol.producer.config import Output
 from rd2h_protocol.producer.handshakes import _Handshakes
 from rd2h_protocol.producer.records import _Conn, _Gate, _Pub, _Request
@@ -246,7 +253,7 @@ class _Publications(_Handshakes, _Requests):
     def _fail_requests(
         self,
         pub: _Pub,
-        event: str,
+        event: Input[ReqFailure],
         code: ErrorCode,
         message: str,
         only: dict[str, FailedRequest],

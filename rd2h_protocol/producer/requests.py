@@ -9,7 +9,8 @@ from __future__ import annotations
 from typing import Final
 
 from rd2h_protocol.errors import ErrorCode, RemoteProtocolError
-from rd2h_protocol.events import Chunk, RequestFinished
+from rd2h_protocol.events import RequestFinished
+from rd2h_protocol.machines.declare import Input
 from rd2h_protocol.machines.producer import (
     K_LOCAL_FINISHED,
     R_LOCAL_DRAINED,
@@ -20,6 +21,7 @@ from rd2h_protocol.machines.producer import (
     REQ_FINAL_SENT,
     REQ_PUBLISHING,
 )
+from rd2h_protocol.machines.producer_inputs import ReqAbort, ReqChunk, ReqFailure, ReqPeerAbort
 from rd2h_protocol.producer.config import Output
 from rd2h_protocol.producer.records import _Conn, _Request
 from rd2h_protocol.producer.state import _ProducerState
@@ -34,33 +36,33 @@ _STILL_READ: Final = frozenset({*REQ_PUBLISHING, REQ_FINAL_SENT})
 class _Requests(_ProducerState):
     """Effects of :data:`~rd2h_protocol.machines.producer.PREFILL_REQUEST`."""
 
-    # The request machine's chunk effects: (req, chunk, main, indexer); ``ignore``: the
+    # The request machine's chunk effects: (req, ctx: ReqChunk); ``ignore``: the
     # scheduler does not know we stopped, its chunks for an ending request are moot.
 
-    def _fx_schedule(
-        self, req: _Request, chunk: Chunk, main: list[int], indexer: list[int]
-    ) -> None:
+    def _fx_schedule(self, req: _Request, ctx: ReqChunk) -> None:
+        main, indexer = ctx.main, ctx.indexer
         if main or indexer:
+            chunk = ctx.chunk
             req.chunk = ReadReq(req.ext_id, main, indexer, chunk.main_start, chunk.indexer_start)
         self._step.setdefault(req.conn.name, {})[req.ext_id] = req
         self._step_count += 1
 
-    def _fx_send_abort(self, req: _Request, reason: str, by_conn: dict[str, list[str]]) -> None:
+    def _fx_send_abort(self, req: _Request, ctx: ReqAbort) -> None:
         """Our abort: record it and tell the peer (one ABORT per connection, by the caller)."""
-        req.code, req.message = ErrorCode.ABORTED, reason
-        by_conn.setdefault(req.conn.name, []).append(req.ext_id)
+        req.code, req.message = ErrorCode.ABORTED, ctx.reason
+        ctx.by_conn.setdefault(req.conn.name, []).append(req.ext_id)
 
-    def _fail(self, req: _Request, event: str, code: ErrorCode, message: str) -> None:
-        self._REQUEST.fire(self, req, event, code, message)
+    def _fail(self, req: _Request, event: Input[ReqFailure], code: ErrorCode, message: str) -> None:
+        self._REQUEST.apply(self, req, event, ReqFailure(code, message))
 
-    def _fx_record_failure(self, req: _Request, code: ErrorCode, message: str) -> None:
+    def _fx_record_failure(self, req: _Request, ctx: ReqFailure) -> None:
         """The first reason to stop is the one reported (later ones stay: no effect)."""
-        req.code, req.message = code, message
+        req.code, req.message = ctx.code, ctx.message
 
     def _maybe_drain(self, req: _Request, out: list[Output]) -> None:
         if req.outstanding or req.state not in _DRAINABLE:
             return
-        self._REQUEST.fire(self, req, R_LOCAL_DRAINED, out)
+        self._REQUEST.apply(self, req, R_LOCAL_DRAINED, out)
 
     def _fx_finish(self, req: _Request, out: list[Output]) -> None:
         """Drained: no publication names it any more; RequestFinished frees its blocks."""
@@ -71,7 +73,7 @@ class _Requests(_ProducerState):
             self._step_count -= 1
         kept = self._kept.pop(req.ext_id, None)
         if kept is not None:  # a claimed Prefill-first request: delivered (or not) now
-            self._KEPT.fire(self, kept, K_LOCAL_FINISHED)
+            self._KEPT.apply(self, kept, K_LOCAL_FINISHED, None)
         if ok:
             out.append(RequestFinished(req.ext_id, True, None, ""))
         else:
@@ -83,10 +85,13 @@ class _Requests(_ProducerState):
             req = self._requests.get(ext_id)
             if req is None or req.conn is not conn:
                 continue  # finished already, or not this peer's request to abort
-            self._REQUEST.fire(self, req, R_RECV_ABORT, conn, msg, error=RemoteProtocolError)
+            self._REQUEST.apply(
+                self, req, R_RECV_ABORT, ReqPeerAbort(conn, msg), error=RemoteProtocolError
+            )
             self._maybe_drain(req, out)
 
-    def _fx_stop(self, req: _Request, conn: _Conn, msg: Abort) -> None:
+    def _fx_stop(self, req: _Request, ctx: ReqPeerAbort) -> None:
         """The Decode aborted it: stop publishing it (nothing to tell the peer)."""
+        conn, msg = ctx.conn, ctx.msg
         req.code = ErrorCode.ABORTED
         req.message = f"aborted by Decode {conn.name}: {msg.reason}"

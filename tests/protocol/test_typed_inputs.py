@@ -8,7 +8,7 @@ import inspect
 
 import pytest
 
-from rd2h_protocol.machines.declare import NO_EFFECT, BoundMachine, Input
+from rd2h_protocol.machines.declare import NO_EFFECT, BoundMachine, Input, no_effect
 from rd2h_protocol.machines.producer import P_SEND_READINESS
 from rd2h_protocol.producer import ProducerEndpoint
 
@@ -19,13 +19,18 @@ def test_input_is_its_name_at_run_time() -> None:
 
 
 #: The machines moved to typed inputs so far.
-TYPED: tuple[BoundMachine, ...] = (ProducerEndpoint._PUB, ProducerEndpoint._CONN)
+TYPED: tuple[BoundMachine, ...] = (
+    ProducerEndpoint._PUB,
+    ProducerEndpoint._CONN,
+    ProducerEndpoint._REQUEST,
+    ProducerEndpoint._KEPT,
+)
 
 
 @pytest.mark.parametrize("bound", TYPED, ids=lambda b: b.spec.name)
 def test_handlers_take_one_context_value(bound: BoundMachine) -> None:
     for effect, handler in bound.handlers.items():
-        if effect == NO_EFFECT:
+        if effect == NO_EFFECT or handler is no_effect:
             continue
         params = list(inspect.signature(handler).parameters.values())
         assert len(params) == 3, (effect, params)
