@@ -6,8 +6,8 @@ and optional ``conditions``), plus the name of the side effect each transition h
 that declaration we derive
 
 * :attr:`MachineSpec.table`: a plain ``{(state, input): (effect, next_state)}`` dict that
-  the endpoints use on the hot path (a dict lookup costs ~0.2 us, a ``transitions``
-  Machine ~8 us per transition), and
+  the endpoints use on the hot path (a dict lookup, far cheaper than a transition of a
+  ``transitions`` Machine: ``python -m benchmarks.bench_machines`` measures both), and
 * :meth:`MachineSpec.build_machine`: a ``transitions.Machine`` for tests and benchmarks
   (``transitions`` comes with the ``rd2h[machines]`` extra; the protocol itself never
   imports it).
