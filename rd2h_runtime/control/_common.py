@@ -54,7 +54,10 @@ class ControlOptions:
       ``max_frame_bytes`` can make ZMQ hold this many of them, plus the one it is reading,
       before the I/O thread files them against the byte budgets. Kept small: the I/O thread
       empties the queue as fast as frames come, and when it is full ZMQ stops reading that
-      one connection (TCP back-pressure to that peer), it drops nothing.
+      one connection (TCP back-pressure to that peer), it drops nothing. The price: while
+      the I/O thread is stalled with a frame queued, ZMQ reads nothing more of that
+      connection, heartbeats included, so a stall longer than ``heartbeat_timeout_s``
+      drops it (ZMQ reconnects at once, and Prefill resends what waits for a reply).
     - ``outgoing_capacity``: our queue in front of the socket (the server's one queue, the
       client's queue per Decode endpoint); ``send()`` raises :class:`QueueFull` beyond it.
     - ``incoming_capacity``: the event queue used when no handler is given; when it is full the
