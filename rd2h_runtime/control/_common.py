@@ -43,7 +43,7 @@ class ControlOptions:
       and half as much waiting. With ZMQ's own queue (``peer_queued_frames``, plus the
       frame it is reading) a peer sending the largest frames makes the process hold at
       most ``peer_inbound_bytes + (peer_queued_frames + 1) * max_frame_bytes``: 56 MiB
-      with the defaults.
+      with ``peer_queued_frames=1``.
     - ``peer_backlog_s`` (Decode server with a handler): a peer's received frames may add up to
       at most this much handler time, estimated from the time its recent frames took per
       byte; beyond it its frames are dropped and counted like those over a byte budget.
@@ -52,12 +52,14 @@ class ControlOptions:
       (the ROUTER's RCVHWM, in place of ``rcvhwm``). ZMQ bounds it in frames, not bytes, and
       allocates each frame whole once its header arrives, so a peer sending frames of
       ``max_frame_bytes`` can make ZMQ hold this many of them, plus the one it is reading,
-      before the I/O thread files them against the byte budgets. Kept small: the I/O thread
-      empties the queue as fast as frames come, and when it is full ZMQ stops reading that
-      one connection (TCP back-pressure to that peer), it drops nothing. The price: while
-      the I/O thread is stalled with a frame queued, ZMQ reads nothing more of that
-      connection, heartbeats included, so a stall longer than ``heartbeat_timeout_s``
-      drops it (ZMQ reconnects at once, and Prefill resends what waits for a reply).
+      before the I/O thread files them against the byte budgets. When it is full ZMQ stops
+      reading that one connection (TCP back-pressure), it drops nothing. 1 bounds a hostile
+      peer's frames in bytes (``peer_inbound_bytes + 2 * max_frame_bytes`` in all); the
+      default stays large because with 1 the real-vLLM serving tests over nixl lost a
+      read (a first read timed out, 2 runs of 2) for a reason not yet found, and because
+      while the I/O thread is stalled with a frame queued ZMQ then reads nothing more of
+      that connection, heartbeats included, so a stall longer than
+      ``heartbeat_timeout_s`` drops it. Set 1 where Prefill peers are not trusted.
     - ``outgoing_capacity``: our queue in front of the socket (the server's one queue, the
       client's queue per Decode endpoint); ``send()`` raises :class:`QueueFull` beyond it.
     - ``incoming_capacity``: the event queue used when no handler is given; when it is full the
@@ -81,7 +83,7 @@ class ControlOptions:
     peer_backlog_s: float = 2.0
     sndhwm: int = 10_000
     rcvhwm: int = 10_000
-    peer_queued_frames: int = 1
+    peer_queued_frames: int = 10_000
     outgoing_capacity: int = 10_000
     incoming_capacity: int = 10_000
     max_connections: int = 1024

@@ -451,11 +451,10 @@ def test_large_frames_arrive_uncopied_small_ones_as_bytes(
 def test_a_burst_passes_zmqs_one_frame_queue_in_order_without_loss(
     ctx: zmq.Context[zmq.Socket[bytes]],
 ) -> None:
-    # ZMQ queues one frame per peer (peer_queued_frames): when that is full it stops
-    # reading the connection, so a burst waits in TCP, it is not dropped.
-    assert ControlOptions().peer_queued_frames == 1
+    # With one frame queued per peer (peer_queued_frames=1), ZMQ stops reading the
+    # connection when that is full, so a burst waits in TCP, it is not dropped.
     rec = Recorder()
-    server = start_server(rec)
+    server = start_server(rec, peer_queued_frames=1)
     try:
         d = dealer(ctx, server)
         for i in range(2000):
