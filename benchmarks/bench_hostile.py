@@ -2,8 +2,9 @@
 
 A Decode worker runs in a child process (so its RSS is its own) on 127.0.0.1 at a run-time
 port, configured for untrusted Prefill peers (``ControlOptions(peer_queued_frames=1)``:
-ZMQ's queue bounded to one frame per peer, not the default 10,000). This process runs a healthy Prefill worker, and a third process one hostile DEALER that
-floods the Decode with one probe of the set:
+ZMQ's queue bounded to one frame per peer, not the default 10,000). This process runs a
+healthy Prefill worker, and a third process one hostile DEALER that floods the Decode with
+one probe of the set:
 
 - ``parked``: readiness frames of 16,384 unknown request ids each (parked by Decode);
 - ``oversized``: frames one byte over the wire's limit (ZMQ_MAXMSGSIZE cuts them off);
