@@ -6,9 +6,10 @@ A client request (the *parent*) goes through one **Proxy request** machine:
 ``waiting`` (some children have not posted their rendezvous yet) -> ``dispatching`` (the
 post completing the set started the one Prefill dispatch) -> ``dispatched`` (Prefill
 answered success), or ``failed`` (the rendezvous did not arrive in time, or the dispatch
-failed). The first failure wins: a later one changes nothing. A post for a failed parent
-is refused (410). :class:`~rd2h_proxy.registry.Registry` resolves the guards
-(whether a post completes the set) and binds each named effect to its handler; this
+failed). The first failure wins: a later one changes nothing. A post for a failed parent,
+or for one whose client exchange is over, is refused (410).
+:class:`~rd2h_proxy.registry.Registry` resolves the guards (whether a post completes the
+set, whether the client is still there) and binds each named effect to its handler; this
 module holds every rule that changes a parent's phase.
 
 Whether the client exchange is still open and whether a dispatch task still runs are not
@@ -31,6 +32,7 @@ PHASE_FAILED: Final = "failed"
 
 P_RECV_POST: Final = "RECV_POST"
 P_RECV_LAST_POST: Final = "RECV_LAST_POST"
+P_RECV_POST_CLIENT_GONE: Final = "RECV_POST_CLIENT_GONE"
 P_TIMER_RENDEZVOUS_EXPIRED: Final = "TIMER_RENDEZVOUS_EXPIRED"
 P_RECV_DISPATCH_OK: Final = "RECV_DISPATCH_OK"
 P_RECV_DISPATCH_FAILED: Final = "RECV_DISPATCH_FAILED"
@@ -45,8 +47,8 @@ PROXY_REQUEST: Final = MachineSpec(
     doc="""
     One client request (parent) of the proxy. It is dispatched to Prefill exactly once,
     by the rendezvous post that completes its set of children; it fails once, on the
-    first of a rendezvous timeout or a failed dispatch. Posts for a failed parent are
-    refused.
+    first of a rendezvous timeout or a failed dispatch. Posts for a failed parent, or for
+    one whose client has gone, are refused.
     """,
     states=(PHASE_WAITING, PHASE_DISPATCHING, PHASE_DISPATCHED, PHASE_FAILED),
     initial=PHASE_WAITING,
@@ -62,6 +64,14 @@ PROXY_REQUEST: Final = MachineSpec(
         },
         *stay(P_RECV_POST, [PHASE_FAILED], EFFECT_REFUSE),
         *stay(P_RECV_LAST_POST, [PHASE_FAILED], EFFECT_REFUSE),
+        # A parent whose client has gone takes no post (once the dispatch started, every
+        # child has posted: a new post there is a bug, not a 410).
+        *stay(
+            P_RECV_POST_CLIENT_GONE,
+            [PHASE_WAITING, PHASE_FAILED],
+            EFFECT_REFUSE,
+            conditions="client_gone",
+        ),
         {
             "trigger": P_TIMER_RENDEZVOUS_EXPIRED,
             "source": PHASE_WAITING,
@@ -101,5 +111,6 @@ __all__ = [
     "P_RECV_DISPATCH_OK",
     "P_RECV_LAST_POST",
     "P_RECV_POST",
+    "P_RECV_POST_CLIENT_GONE",
     "P_TIMER_RENDEZVOUS_EXPIRED",
 ]

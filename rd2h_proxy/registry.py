@@ -38,6 +38,7 @@ from rd2h_proxy.phases import (
     P_RECV_DISPATCH_OK,
     P_RECV_LAST_POST,
     P_RECV_POST,
+    P_RECV_POST_CLIENT_GONE,
     PHASE_WAITING,
     PROXY_REQUEST,
 )
@@ -153,9 +154,12 @@ class Registry:
                     f"a different rendezvous for {child_id!r} was already recorded", 409
                 )
             return parent, Outcome.DUPLICATE
-        if not parent.client_open:  # a parent whose client has gone takes no post
-            self._fx_refuse(parent, child_id, params)
-        event = P_RECV_LAST_POST if len(parent.posted) + 1 == len(parent.children) else P_RECV_POST
+        if not parent.client_open:
+            event = P_RECV_POST_CLIENT_GONE
+        elif len(parent.posted) + 1 == len(parent.children):
+            event = P_RECV_LAST_POST
+        else:
+            event = P_RECV_POST
         return parent, _PROXY_REQUEST.fire(self, parent, event, child_id, params)
 
     def fail(self, parent: Parent, event: str, status: int, message: str) -> bool:

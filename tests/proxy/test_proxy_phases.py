@@ -12,6 +12,7 @@ from rd2h_proxy.phases import (
     P_RECV_DISPATCH_OK,
     P_RECV_LAST_POST,
     P_RECV_POST,
+    P_RECV_POST_CLIENT_GONE,
     P_TIMER_RENDEZVOUS_EXPIRED,
     PHASE_DISPATCHED,
     PHASE_DISPATCHING,
@@ -31,7 +32,7 @@ test_table_agrees_with_machine_on_every_pair, test_declarations_are_well_formed 
 def test_a_post_after_the_dispatch_started_is_refused_by_the_table() -> None:
     # Every child has posted by then: a new post cannot be, so it is a bug, not a 410.
     for state in (PHASE_DISPATCHING, PHASE_DISPATCHED):
-        for event in (P_RECV_POST, P_RECV_LAST_POST):
+        for event in (P_RECV_POST, P_RECV_LAST_POST, P_RECV_POST_CLIENT_GONE):
             assert (state, event) not in PROXY_REQUEST.table
 
 
@@ -43,6 +44,19 @@ def recording(monkeypatch: pytest.MonkeyPatch) -> Recording:
 def _phase_after(rec: Recording) -> str:
     """The phase the parent was left in by the last recorded step."""
     return PROXY_REQUEST.step(*rec.steps[-1])[1]
+
+
+def test_a_post_for_a_parent_whose_client_has_gone_is_refused_by_a_row(
+    recording: Recording,
+) -> None:
+    reg = Registry()
+    parent = reg.open("p", COMPLETIONS, {}, {}, ("c0", "c1"), 0.0)
+    parent.client_open = False  # the client handler has ended (the parent stays registered)
+    with pytest.raises(RendezvousRefused, match="client request has ended") as info:
+        reg.record("c0", {"a": 0})
+    assert info.value.status == 410 and parent.posted == {}
+    assert recording.steps == [(PHASE_WAITING, P_RECV_POST_CLIENT_GONE)]
+    assert parent.state == PHASE_WAITING
 
 
 def test_the_registry_fires_its_machine_through_the_handlers(recording: Recording) -> None:
