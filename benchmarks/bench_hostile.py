@@ -1,10 +1,9 @@
 """A hostile Prefill peer against a real Decode process: memory and a healthy peer's rounds.
 
 A Decode worker runs in a child process (so its RSS is its own) on 127.0.0.1 at a run-time
-port, configured for untrusted Prefill peers (``ControlOptions(peer_queued_frames=1)``:
-ZMQ's queue bounded to one frame per peer, not the default 10,000). This process runs a
-healthy Prefill worker, and a third process one hostile DEALER that floods the Decode with
-one probe of the set:
+port, with the default control options (ZMQ's queue bounded to one frame per peer:
+``ControlOptions.peer_queued_frames``). This process runs a healthy Prefill worker, and a
+third process one hostile DEALER that floods the Decode with one probe of the set:
 
 - ``parked``: readiness frames of 16,384 unknown request ids each (parked by Decode);
 - ``oversized``: frames one byte over the wire's limit (ZMQ_MAXMSGSIZE cuts them off);
@@ -64,7 +63,6 @@ from rd2h_protocol.wire.messages import (
     ReadReadyBatch,
     ReadReq,
 )
-from rd2h_runtime.control import ControlOptions
 from rd2h_runtime.decode import DecodeWorker
 from rd2h_runtime.prefill import PrefillWorker
 
@@ -94,14 +92,7 @@ def _child() -> None:
         scale=None,
     )
     config = ConsumerConfig(d_rank=0, d_tp=1, layers=[(LAYER, dest)])
-    # The configuration for Decodes exposed to untrusted Prefill peers: ZMQ queues one
-    # frame per peer (ControlOptions.peer_queued_frames; the default keeps 10,000).
-    decode = DecodeWorker(
-        config,
-        NoopBackend(role="decode"),
-        host=HOST,
-        control_options=ControlOptions(peer_queued_frames=1),
-    )
+    decode = DecodeWorker(config, NoopBackend(role="decode"), host=HOST)
     out = sys.stdout
     out.write(json.dumps({"port": decode.port, "pid": os.getpid()}) + "\n")
     out.flush()

@@ -53,13 +53,14 @@ class ControlOptions:
       allocates each frame whole once its header arrives, so a peer sending frames of
       ``max_frame_bytes`` can make ZMQ hold this many of them, plus the one it is reading,
       before the I/O thread files them against the byte budgets. When it is full ZMQ stops
-      reading that one connection (TCP back-pressure), it drops nothing. 1 bounds a hostile
-      peer's frames in bytes (``peer_inbound_bytes + 2 * max_frame_bytes`` in all); the
-      default stays large because with 1 the real-vLLM serving tests over nixl lost a
-      read (a first read timed out, 2 runs of 2) for a reason not yet found, and because
-      while the I/O thread is stalled with a frame queued ZMQ then reads nothing more of
-      that connection, heartbeats included, so a stall longer than
-      ``heartbeat_timeout_s`` drops it. Set 1 where Prefill peers are not trusted.
+      reading that one connection (TCP back-pressure), it drops nothing. The default, 1,
+      bounds a hostile peer's frames in bytes (``peer_inbound_bytes + 2 * max_frame_bytes``
+      in all). Its price: while the I/O thread is stalled with a frame queued, ZMQ reads
+      nothing more of that connection, heartbeats included, so a stall longer than
+      ``heartbeat_timeout_s`` drops the connection; ZMQ reconnects and Prefill resends what
+      was unanswered, so nothing is lost (tests/runtime/test_decode_io_stall.py). A larger
+      value keeps such a connection through the stall, and lets a peer queue that many
+      frames of any size.
     - ``outgoing_capacity``: our queue in front of the socket (the server's one queue, the
       client's queue per Decode endpoint); ``send()`` raises :class:`QueueFull` beyond it.
     - ``incoming_capacity``: the event queue used when no handler is given; when it is full the
@@ -83,7 +84,7 @@ class ControlOptions:
     peer_backlog_s: float = 2.0
     sndhwm: int = 10_000
     rcvhwm: int = 10_000
-    peer_queued_frames: int = 10_000
+    peer_queued_frames: int = 1
     outgoing_capacity: int = 10_000
     incoming_capacity: int = 10_000
     max_connections: int = 1024

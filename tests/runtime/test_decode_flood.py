@@ -1,6 +1,6 @@
 """One hostile Prefill peer floods a real Decode process with each probe of the set (many
 parked unknown ids, oversized frames, legal huge frames, session churn, unknown layers)
--- the Decode configured for untrusted peers (ZMQ's queue at one frame per peer) --
+-- the Decode with its default control options (ZMQ's queue at one frame per peer) --
 while a healthy Prefill runs one-layer requests against it: every healthy request succeeds,
 and the Decode process stays within 64 MB over its quiet RSS (measured from /proc on the
 child process, sampled every 5 ms). The precise figures come from
