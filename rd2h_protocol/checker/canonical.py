@@ -145,18 +145,21 @@ _SKIP: Final[dict[str, frozenset[str]]] = {
             "_aborted_to",
         }
     ),
-    "rd2h_protocol.producer.endpoint.ProducerEndpoint": frozenset(
+    # (an endpoint's form is its state's: see _canon_producer; ``out`` is empty between
+    # inputs)
+    "rd2h_protocol.producer.state.ProducerState": frozenset(
         {
             "config",
             "stats",
-            "_layer_names",
-            "_layer_slots",
-            "_last_layer",
-            "_lease_s",
-            "_v1_only",
-            "_meta",
-            "_next_uid",
-            "_timers",
+            "layer_names",
+            "layer_slots",
+            "last_layer",
+            "lease_s",
+            "v1_only",
+            "meta",
+            "next_uid",
+            "timers",
+            "out",
         }
     ),
     "rd2h_protocol.consumer.endpoint.ConsumerEndpoint": frozenset(
@@ -181,10 +184,10 @@ _SKIP: Final[dict[str, frozenset[str]]] = {
         }
     ),
     # history only tells a stale reply from a duplicate one (a counter); next_seq is a label.
-    "rd2h_protocol.producer.records._Conn": frozenset({"history", "next_seq", "refusal"}),
-    "rd2h_protocol.producer.records._Pub": frozenset({"sent_at"}),  # for latency metrics only
+    "rd2h_protocol.producer.records.Conn": frozenset({"history", "next_seq", "refusal"}),
+    "rd2h_protocol.producer.records.Pub": frozenset({"sent_at"}),  # for latency metrics only
     # Failure texts are reported, never acted on.
-    "rd2h_protocol.producer.records._Request": frozenset({"message"}),
+    "rd2h_protocol.producer.records.Request": frozenset({"message"}),
     "rd2h_protocol.consumer.records._Request": frozenset({"fail_message"}),
     "rd2h_protocol.consumer.records._ParkedAbort": frozenset({"reason"}),
     # The reply memory is written by _canon_world, only where it can still be asked.
@@ -200,8 +203,8 @@ _SKIP: Final[dict[str, frozenset[str]]] = {
 }
 # Attributes that hold references to records kept elsewhere: written as their key.
 _REFS: Final[dict[str, dict[str, str]]] = {
-    "rd2h_protocol.producer.records._Pub": {"conn": "name", "requests": "ext_id"},
-    "rd2h_protocol.producer.records._Request": {"conn": "name"},
+    "rd2h_protocol.producer.records.Pub": {"conn": "name", "requests": "ext_id"},
+    "rd2h_protocol.producer.records.Request": {"conn": "name"},
     "rd2h_protocol.consumer.records._Readiness": {"accepted": "ext_id", "in_plan": "ext_id"},
 }
 # Attributes that hold structs packed as msgpack bytes, with their decoder: written as the
@@ -328,7 +331,7 @@ def _canon_world(world: Any) -> _Canon:
     askable = {
         (prod.config.session, pub.conn.name, pub.seq)
         for prod in world.producers
-        for pub in prod._pubs.values()
+        for pub in prod.state.pubs.values()
     }
     for f in world.network:
         if f.kind == "ReadReadyBatch":
@@ -425,10 +428,11 @@ _BUILT_FORMS: dict[int, _Canon] = {}
 def _canon_producer(prod: Any) -> _Canon:
     form = _KNOWN_FORMS.get(id(prod))
     if form is None:
-        live = set(prod._pubs) | set(prod._handshakes) | set(prod._kept_timers)
+        state = prod.state
+        live = set(state.pubs) | set(state.handshakes) | set(state.kept_timers)
         # The timer heap is lazy: only its live entries matter, in deadline order.
-        timers = tuple(sorted((t - _NOW[0], uid) for t, uid in prod._timers if uid in live))
-        form = (_canon_vars(prod), timers)
+        timers = tuple(sorted((t - _NOW[0], uid) for t, uid in state.timers if uid in live))
+        form = (_canon_vars(state), timers)
     _BUILT_FORMS[id(prod)] = form
     return form
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 from typing import Final
 
 from rd2h_protocol.events import Connect, Send
-from rd2h_protocol.machines.declare import Input, MachineSpec, stay
+from rd2h_protocol.machines.declare import NO_EFFECT, Input, MachineSpec, stay
 from rd2h_protocol.machines.producer_guards import GUARDS
-from rd2h_protocol.machines.producer_inputs import ConnAck, ConnAt, ConnEnd
+from rd2h_protocol.machines.producer_inputs import ConnAbort, ConnAck, ConnAt, ConnEnd
 
 __all__ = [
     "CONNECTION_HANDSHAKE",
@@ -22,22 +22,27 @@ __all__ = [
     "CONN_READY_V1",
     "CONN_READY_V2",
     "CONN_REFUSED",
+    "C_LOCAL_ABORT",
+    "C_LOCAL_ABORT_UNTOLD",
     "C_LOCAL_CONNECTION_LOST",
     "C_LOCAL_HELD_ABORTS",
     "C_LOCAL_PUBLISH",
-    "C_LOCAL_PUBLISH_RETRY",
+    "C_LOCAL_PUBLISH_BACKOFF",
     "C_RECV_ACK_REFUSED",
     "C_RECV_ACK_V1",
     "C_RECV_ACK_V2",
     "C_RECV_UNKNOWN_SESSION",
     "C_TIMER_HANDSHAKE_EXPIRED",
     "EFFECT_COUNT_STRAY_ACK",
+    "EFFECT_EMIT_ABORT",
     "EFFECT_FAIL_QUEUED",
     "EFFECT_FLUSH",
     "EFFECT_QUEUE",
+    "EFFECT_QUEUE_ABORT",
     "EFFECT_REFUSED",
     "EFFECT_RELEASE",
     "EFFECT_RESET",
+    "EFFECT_RETRY",
     "EFFECT_SEND",
     "EFFECT_SEND_META",
 ]
@@ -60,9 +65,11 @@ C_RECV_ACK_V2: Final[Input[ConnAck]] = Input("RECV_ACK_V2")
 C_RECV_ACK_REFUSED: Final[Input[ConnAck]] = Input("RECV_ACK_REFUSED")
 C_TIMER_HANDSHAKE_EXPIRED: Final[Input[ConnEnd]] = Input("TIMER_HANDSHAKE_EXPIRED")
 C_RECV_UNKNOWN_SESSION: Final[Input[ConnAt]] = Input("RECV_UNKNOWN_SESSION")
-C_LOCAL_PUBLISH_RETRY: Final[Input[ConnAt]] = Input("LOCAL_PUBLISH_RETRY")
+C_LOCAL_PUBLISH_BACKOFF: Final[Input[ConnAt]] = Input("LOCAL_PUBLISH_BACKOFF")
 C_LOCAL_HELD_ABORTS: Final[Input[ConnAt]] = Input("LOCAL_HELD_ABORTS")
 C_LOCAL_CONNECTION_LOST: Final[Input[ConnEnd]] = Input("LOCAL_CONNECTION_LOST")
+C_LOCAL_ABORT: Final[Input[ConnAbort]] = Input("LOCAL_ABORT")
+C_LOCAL_ABORT_UNTOLD: Final[Input[ConnAbort]] = Input("LOCAL_ABORT_UNTOLD")
 
 EFFECT_SEND_META: Final = "send_meta"
 EFFECT_QUEUE: Final = "queue"
@@ -70,6 +77,9 @@ EFFECT_FLUSH: Final = "flush"
 EFFECT_FAIL_QUEUED: Final = "fail_queued"
 EFFECT_REFUSED: Final = "refused"  # record the refusal and its backoff, then fail_queued
 EFFECT_RESET: Final = "reset"
+EFFECT_RETRY: Final = "retry"  # send_meta, counted as a retry
+EFFECT_EMIT_ABORT: Final = "emit_abort"
+EFFECT_QUEUE_ABORT: Final = "queue_abort"
 EFFECT_COUNT_STRAY_ACK: Final = "count_stray_ack"  # an ACK with no handshake waiting for it
 
 #: Connection states in which readiness goes out at once.
@@ -91,7 +101,9 @@ CONNECTION_HANDSHAKE: Final = MachineSpec(
     # flush, fail_queued and refused end a handshake: the ABORTs held publications waited
     # for go out then (Send).
     outputs={
+        NO_EFFECT: (),
         EFFECT_SEND_META: (Connect, Send),
+        EFFECT_RETRY: (Connect, Send),
         EFFECT_QUEUE: (),
         EFFECT_SEND: (),
         EFFECT_RELEASE: (),
@@ -100,6 +112,8 @@ CONNECTION_HANDSHAKE: Final = MachineSpec(
         EFFECT_FAIL_QUEUED: (Send,),
         EFFECT_RESET: (),
         EFFECT_COUNT_STRAY_ACK: (),
+        EFFECT_EMIT_ABORT: (Send,),
+        EFFECT_QUEUE_ABORT: (),
     },
     transitions=(
         {
@@ -115,11 +129,13 @@ CONNECTION_HANDSHAKE: Final = MachineSpec(
             "effect": EFFECT_QUEUE,
         },
         *stay(C_LOCAL_PUBLISH, [CONN_READY_V1, CONN_READY_V2], effect=EFFECT_SEND),
-        # The peer refused our layout or version: nothing will be read, fail at once.
+        # The peer refused our layout or version: nothing will be read, fail at once
+        # while its backoff runs (retry_at is in the future only in this state).
         {
-            "trigger": C_LOCAL_PUBLISH,
+            "trigger": C_LOCAL_PUBLISH_BACKOFF,
             "source": CONN_REFUSED,
             "dest": CONN_REFUSED,
+            "conditions": "backoff_running",
             "effect": EFFECT_RELEASE,
         },
         {
@@ -173,11 +189,11 @@ CONNECTION_HANDSHAKE: Final = MachineSpec(
         },
         # The refusal's backoff has passed: a new publication tries a fresh MF_META.
         {
-            "trigger": C_LOCAL_PUBLISH_RETRY,
+            "trigger": C_LOCAL_PUBLISH,
             "source": CONN_REFUSED,
             "dest": CONN_HANDSHAKING,
             "conditions": "backoff_elapsed",
-            "effect": EFFECT_SEND_META,
+            "effect": EFFECT_RETRY,
         },
         # A handshake timed out while held publications wait for their ABORT to go out:
         # try again at once, or their storage would stay closed until the peer is dead.
@@ -186,8 +202,27 @@ CONNECTION_HANDSHAKE: Final = MachineSpec(
             "source": CONN_IDLE,
             "dest": CONN_HANDSHAKING,
             "conditions": "held_aborts_waiting",
-            "effect": EFFECT_SEND_META,
+            "effect": EFFECT_RETRY,
         },
+        # ... a connection not idle has a handshake running or done: the ABORTs go out
+        # when it ends (or went out already).
+        *stay(C_LOCAL_HELD_ABORTS, [CONN_HANDSHAKING, CONN_READY_V1, CONN_READY_V2, CONN_REFUSED]),
+        # Our ABORT (protocol v2 only): out at once to a ready peer that takes it, queued
+        # while a handshake runs (it goes out when the handshake ends, if the peer takes it
+        # then), and otherwise nobody can be told.
+        *stay(C_LOCAL_ABORT, [CONN_READY_V2], EFFECT_EMIT_ABORT, conditions="peer_takes_abort"),
+        *stay(
+            C_LOCAL_ABORT, [CONN_IDLE, CONN_READY_V1, CONN_REFUSED], conditions="peer_takes_abort"
+        ),
+        *stay(
+            C_LOCAL_ABORT_UNTOLD,
+            [CONN_IDLE, CONN_READY_V1, CONN_READY_V2, CONN_REFUSED],
+            conditions="peer_lacks_abort",
+        ),
+        *stay(C_LOCAL_ABORT, [CONN_HANDSHAKING], EFFECT_QUEUE_ABORT, conditions="v2_endpoint"),
+        *stay(
+            C_LOCAL_ABORT_UNTOLD, [CONN_HANDSHAKING], EFFECT_QUEUE_ABORT, conditions="v2_endpoint"
+        ),
         # The runtime's heartbeat declared the endpoint dead: forget the handshake (the
         # peer that comes back is a new process) and fail what waited for it.
         {

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Final
 
-from rd2h_protocol.events import ClaimAnswered, ProducerOutput, RequestFinished
+from rd2h_protocol.events import ClaimAnswered, RequestFinished
 from rd2h_protocol.machines.declare import NO_EFFECT, Input, MachineSpec, stay
 from rd2h_protocol.machines.producer_guards import GUARDS
 from rd2h_protocol.machines.producer_inputs import ClaimAt
@@ -38,7 +38,7 @@ KEPT_UNCLAIMED: Final = "unclaimed"
 K_RECV_CLAIM: Final[Input[ClaimAt]] = Input("RECV_CLAIM")
 K_RECV_CLAIM_UNUSABLE: Final[Input[ClaimAt]] = Input("RECV_CLAIM_UNUSABLE")
 K_LOCAL_FINISHED: Final[Input[None]] = Input("LOCAL_FINISHED")
-K_TIMER_CLAIM_EXPIRED: Final[Input[list[ProducerOutput]]] = Input("TIMER_CLAIM_EXPIRED")
+K_TIMER_CLAIM_EXPIRED: Final[Input[None]] = Input("TIMER_CLAIM_EXPIRED")
 
 EFFECT_PUBLISH_KEPT: Final = "publish_kept"
 EFFECT_REFUSE_CLAIM: Final = "refuse_claim"

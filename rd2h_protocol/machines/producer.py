@@ -1,7 +1,8 @@
 """The Prefill side's state machines, declared once as data.
 
-The storage-slot gate, layer publication and Prefill request tables live here; the kept
-request's in :mod:`~rd2h_protocol.machines.kept`, the connection handshake's in
+The layer publication and Prefill request tables live here; the storage-slot gate's in
+:mod:`~rd2h_protocol.machines.producer_gate`, the kept request's in
+:mod:`~rd2h_protocol.machines.kept`, the connection handshake's in
 :mod:`~rd2h_protocol.machines.handshake` and the guards in
 :mod:`~rd2h_protocol.machines.producer_guards`, every name re-exported from here.
 
@@ -61,12 +62,14 @@ from __future__ import annotations
 
 from typing import Final
 
-from rd2h_protocol.events import GateOpened, LayerReplied, ProducerOutput, RequestFinished, Send
+from rd2h_protocol.events import Disconnect, LayerReplied, RequestFinished, Send
 from rd2h_protocol.machines.declare import NO_EFFECT, Input, MachineSpec, check_guards, stay
 from rd2h_protocol.machines.handshake import *  # noqa: F403 (re-exported: one namespace)
 from rd2h_protocol.machines.handshake import CONNECTION_HANDSHAKE, EFFECT_RELEASE, EFFECT_SEND
 from rd2h_protocol.machines.kept import *  # noqa: F403
 from rd2h_protocol.machines.kept import KEPT_REQUEST
+from rd2h_protocol.machines.producer_gate import *  # noqa: F403
+from rd2h_protocol.machines.producer_gate import STORAGE_GATE
 from rd2h_protocol.machines.producer_guards import GUARDS
 from rd2h_protocol.machines.producer_inputs import (
     PubAt,
@@ -79,107 +82,6 @@ from rd2h_protocol.machines.producer_inputs import (
     ReqChunk,
     ReqFailure,
     ReqPeerAbort,
-)
-
-# -- storage-slot gate ---------------------------------------------------------------------
-
-GATE_OPEN: Final = "open"
-GATE_CLOSED: Final = "closed"
-GATE_EXPIRED: Final = "expired"
-
-G_LOCAL_PUBLISH: Final = "LOCAL_PUBLISH"
-G_RECV_REPLY: Final = "RECV_REPLY"
-G_RECV_LAST_REPLY: Final = "RECV_LAST_REPLY"
-G_LOCAL_RELEASE: Final = "LOCAL_RELEASE"
-G_LOCAL_LAST_RELEASE: Final = "LOCAL_LAST_RELEASE"
-G_TIMER_LEASE_EXPIRED: Final = "TIMER_LEASE_EXPIRED"
-G_LOCAL_ABORT_SENT: Final = "LOCAL_ABORT_SENT"
-G_LOCAL_LAST_ABORT_SENT: Final = "LOCAL_LAST_ABORT_SENT"
-G_LOCAL_PEER_DEAD: Final = "LOCAL_PEER_DEAD"
-G_LOCAL_LAST_PEER_DEAD: Final = "LOCAL_LAST_PEER_DEAD"
-G_LOCAL_REOPEN_UNSAFE: Final = "LOCAL_REOPEN_UNSAFE"
-G_LOCAL_LAST_REOPEN_UNSAFE: Final = "LOCAL_LAST_REOPEN_UNSAFE"
-
-# Effects the endpoint performs (besides the state change itself). Closing needs none: the
-# count of publications against the gate goes up with every publication, closed or not.
-EFFECT_REOPEN: Final = "reopen"
-
-STORAGE_GATE: Final = MachineSpec(
-    name="storage-slot gate",
-    doc="""
-    One per physical Prefill storage (a distinct tuple of main, or of indexer+scale, base
-    addresses). Closed while any publication against the storage may still be read;
-    the compute path may overwrite the storage only while the gate is open.
-    """,
-    states=(GATE_OPEN, GATE_CLOSED, GATE_EXPIRED),
-    initial=GATE_OPEN,
-    guards=GUARDS,
-    outputs={NO_EFFECT: (), EFFECT_REOPEN: (GateOpened,)},
-    transitions=(
-        {
-            "trigger": G_LOCAL_PUBLISH,
-            "source": GATE_OPEN,
-            "dest": GATE_CLOSED,
-        },
-        # Several Decode endpoints are told about the same layer: one publication each.
-        {"trigger": G_LOCAL_PUBLISH, "source": GATE_CLOSED, "dest": GATE_CLOSED},
-        *stay(G_RECV_REPLY, [GATE_CLOSED, GATE_EXPIRED], conditions="others_outstanding"),
-        {
-            "trigger": G_RECV_LAST_REPLY,
-            "source": [GATE_CLOSED, GATE_EXPIRED],
-            "dest": GATE_OPEN,
-            "conditions": "last_outstanding",
-            "effect": EFFECT_REOPEN,
-        },
-        *stay(G_LOCAL_RELEASE, [GATE_CLOSED, GATE_EXPIRED], conditions="others_outstanding"),
-        {
-            "trigger": G_LOCAL_LAST_RELEASE,
-            "source": [GATE_CLOSED, GATE_EXPIRED],
-            "dest": GATE_OPEN,
-            "conditions": "last_outstanding",
-            "effect": EFFECT_REOPEN,
-        },
-        # A lease ran out: the publication still holds the gate until it ends in one of
-        # the ways below (or by a reply). The count does not change here.
-        {
-            "trigger": G_TIMER_LEASE_EXPIRED,
-            "source": [GATE_CLOSED, GATE_EXPIRED],
-            "dest": GATE_EXPIRED,
-        },
-        # ... its ABORT went out (emitted as a Send before this input).
-        *stay(G_LOCAL_ABORT_SENT, [GATE_EXPIRED], conditions="others_outstanding"),
-        {
-            "trigger": G_LOCAL_LAST_ABORT_SENT,
-            "source": GATE_EXPIRED,
-            "dest": GATE_OPEN,
-            "conditions": "last_outstanding",
-            "effect": EFFECT_REOPEN,
-        },
-        # ... its peer can never be told (v1) and the runtime declared it dead: both the
-        # lease and the heartbeat have run out (the residual risk is in the endpoint docs).
-        *stay(G_LOCAL_PEER_DEAD, [GATE_EXPIRED], conditions="others_outstanding"),
-        {
-            "trigger": G_LOCAL_LAST_PEER_DEAD,
-            "source": GATE_EXPIRED,
-            "dest": GATE_OPEN,
-            "conditions": "last_outstanding",
-            "effect": EFFECT_REOPEN,
-        },
-        # ... UNSAFE, only with v1_lease_expiry="reopen": nobody told the peer, which may
-        # still be reading. Kept for deployments that prefer v1's liveness to safety.
-        *stay(
-            G_LOCAL_REOPEN_UNSAFE,
-            [GATE_EXPIRED],
-            conditions=["v1_lease_expiry_reopen", "others_outstanding"],
-        ),
-        {
-            "trigger": G_LOCAL_LAST_REOPEN_UNSAFE,
-            "source": GATE_EXPIRED,
-            "dest": GATE_OPEN,
-            "conditions": ["v1_lease_expiry_reopen", "last_outstanding"],
-            "effect": EFFECT_REOPEN,
-        },
-    ),
 )
 
 # -- layer publication ---------------------------------------------------------------------
@@ -209,6 +111,8 @@ P_LOCAL_REOPEN_UNSAFE: Final[Input[PubEnd]] = Input("LOCAL_REOPEN_UNSAFE")
 P_LOCAL_CONNECTION_LOST: Final[Input[PubLost]] = Input("LOCAL_CONNECTION_LOST")
 P_LOCAL_RESEND: Final[Input[PubAt]] = Input("LOCAL_RESEND")
 P_LOCAL_LEASE_LAPSED: Final[Input[PubAt]] = Input("LOCAL_LEASE_LAPSED")
+P_TIMER_DUE: Final[Input[PubAt]] = Input("TIMER_DUE")
+P_LOCAL_RESEND_LAPSED: Final[Input[PubAt]] = Input("LOCAL_RESEND_LAPSED")
 
 EFFECT_RESEND: Final = "resend"
 EFFECT_DONE: Final = "done"
@@ -222,6 +126,10 @@ EFFECT_ORPHAN: Final = "orphan"
 EFFECT_RELEASE_HELD: Final = "release_held"
 EFFECT_COUNT_DUPLICATE: Final = "count_duplicate"
 EFFECT_COUNT_STALE: Final = "count_stale"
+EFFECT_REPLAY: Final = "replay"  # send, counted as a replay
+EFFECT_LEASE_RAN_OUT: Final = "lease_ran_out"  # resolve the lease guards, fire TIMER_LEASE_*
+EFFECT_CHECK_SILENCE: Final = "check_silence"
+EFFECT_ORPHAN_LEASE_RAN_OUT: Final = "orphan_lease_ran_out"
 
 _PUB_SENT: Final = [PUB_PUBLISHED, PUB_REPLAYED]
 _PUB_WAITING: Final = [PUB_QUEUED, PUB_REQUEUED]
@@ -268,6 +176,11 @@ LAYER_PUBLICATION: Final = MachineSpec(
         EFFECT_RELEASE_HELD: (),
         EFFECT_COUNT_DUPLICATE: (),
         EFFECT_COUNT_STALE: (),
+        EFFECT_REPLAY: (Send,),
+        EFFECT_LEASE_RAN_OUT: (),
+        # The peer is declared dead: the Disconnect, then the ABORT for its orphans.
+        EFFECT_CHECK_SILENCE: (Disconnect, Send),
+        EFFECT_ORPHAN_LEASE_RAN_OUT: (),
     },
     terminal=frozenset({PUB_REPLIED, PUB_FAILED, PUB_EXPIRED, PUB_RELEASED}),
     transitions=(
@@ -283,7 +196,7 @@ LAYER_PUBLICATION: Final = MachineSpec(
             "source": PUB_REQUEUED,
             "dest": PUB_REPLAYED,
             "conditions": ["connection_ready", "lease_ms_left"],
-            "effect": EFFECT_SEND,
+            "effect": EFFECT_REPLAY,
         },
         {"trigger": P_RECV_DONE, "source": _PUB_SENT, "dest": PUB_REPLIED, "effect": EFFECT_DONE},
         {
@@ -374,6 +287,22 @@ LAYER_PUBLICATION: Final = MachineSpec(
         # it, the lease timer reopens the storage, and the peer could still start the read.
         *stay(P_LOCAL_RESEND, _PUB_SENT, EFFECT_RESEND, conditions=["peer_resend", "lease_left"]),
         *stay(P_LOCAL_RESEND, [PUB_HELD], EFFECT_RESEND, conditions="peer_resend"),
+        # ... the same when none of its lease is left (toward a peer the lease bounds): a
+        # held one is resent all the same, a live or orphaned one is not.
+        *stay(
+            P_LOCAL_RESEND_LAPSED,
+            [*_PUB_SENT, PUB_ORPHANED],
+            conditions=["peer_resend", "no_lease_left"],
+        ),
+        *stay(P_LOCAL_RESEND_LAPSED, [PUB_HELD], EFFECT_RESEND, conditions="peer_resend"),
+        # Its deadline passed. Waiting or sent: its lease ran out, and the effect resolves
+        # the lease guards into one of the TIMER_LEASE_EXPIRED inputs. Held: the deadline
+        # is its peer's silence bound (silent_peer_timeout_s), the lease ran out already.
+        # Orphaned: the lease ran out too, after its peer's death (TIMER_LEASE_EXPIRED, once
+        # its gates are told).
+        *stay(P_TIMER_DUE, [*_PUB_WAITING, *_PUB_SENT], EFFECT_LEASE_RAN_OUT),
+        *stay(P_TIMER_DUE, [PUB_HELD], EFFECT_CHECK_SILENCE, conditions="silence_bound"),
+        *stay(P_TIMER_DUE, [PUB_ORPHANED], EFFECT_ORPHAN_LEASE_RAN_OUT),
         {
             "trigger": P_TIMER_LEASE_EXPIRED,
             "source": PUB_ORPHANED,
@@ -452,7 +381,7 @@ R_RECV_FAILURE: Final[Input[ReqFailure]] = Input("RECV_FAILURE")
 R_LOCAL_FAILURE: Final[Input[ReqFailure]] = Input("LOCAL_FAILURE")
 R_LOCAL_ABORT: Final[Input[ReqAbort]] = Input("LOCAL_ABORT")
 R_RECV_ABORT: Final[Input[ReqPeerAbort]] = Input("RECV_ABORT")
-R_LOCAL_DRAINED: Final[Input[list[ProducerOutput]]] = Input("LOCAL_DRAINED")
+R_LOCAL_DRAINED: Final[Input[None]] = Input("LOCAL_DRAINED")
 R_LOCAL_CLAIMED: Final[Input[ReqChunk]] = Input("LOCAL_CLAIMED")
 
 EFFECT_SCHEDULE: Final = "schedule"

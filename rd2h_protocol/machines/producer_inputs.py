@@ -1,9 +1,12 @@
 """The context each input of the Prefill side's machines carries (:class:`~.declare.Input`
-types); an input that carries nothing is an ``Input[None]``.
+types); an input that carries nothing is an ``Input[None]``, a storage gate's input the
+slot (``Input[int]``).
 
 One value per firing instead of padded positional arguments: every handler an input
-reaches takes ``(endpoint, publication, ctx)`` and reads the fields it needs; a handler
-reached by several inputs takes the base they share. The classes are plain slotted
+reaches takes ``(effects, record, ctx)`` and reads the fields it needs; a handler
+reached by several inputs takes the base they share. Outputs are not part of a context:
+every handler appends them to the shared state's ``out`` list, which the endpoint's
+input method hands back. The classes are plain slotted
 dataclasses (a frozen one costs ~0.8 us to build, a slotted one ~0.1 us), treated as
 immutable: a caller may pass one value for a run of firings.
 """
@@ -14,14 +17,16 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from rd2h_protocol.errors import ErrorCode
-from rd2h_protocol.events import Chunk, ProducerOutput
+from rd2h_protocol.events import Chunk
 from rd2h_protocol.wire.messages import Abort, Ack, FailedRequest, ReadFailed
 
 if TYPE_CHECKING:
-    from rd2h_protocol.producer.records import _Conn, _Pub
+    from rd2h_protocol.machines.declare import Input
+    from rd2h_protocol.producer.records import Conn, Pub
 
 __all__ = [
     "ClaimAt",
+    "ConnAbort",
     "ConnAck",
     "ConnAt",
     "ConnEnd",
@@ -40,11 +45,10 @@ __all__ = [
 
 @dataclass(slots=True)
 class PubAt:
-    """``SEND_READINESS``, ``LOCAL_RESEND``, ``LOCAL_LEASE_LAPSED``: when, and where the
-    outputs go."""
+    """``SEND_READINESS``, ``LOCAL_RESEND`` (and ``_LAPSED``), ``LOCAL_LEASE_LAPSED``,
+    ``TIMER_DUE``: when."""
 
     now: float
-    out: list[ProducerOutput]
 
 
 @dataclass(slots=True)
@@ -53,8 +57,8 @@ class PubEnd(PubAt):
     end the publication: the storage gate inputs that count it off its gates (``one``
     while others are outstanding there, ``last`` for the last one)."""
 
-    one: str
-    last: str
+    one: Input[int]
+    last: Input[int]
 
 
 @dataclass(slots=True)
@@ -62,7 +66,7 @@ class PubReply(PubEnd):
     """``RECV_DONE``, ``RECV_FAILED``, ``RECV_UNKNOWN_SESSION``: the reply's input, the
     requests it failed alone (done) and the failure (failed)."""
 
-    event: str
+    event: Input[PubReply]
     failed: list[FailedRequest] | None
     read_failed: ReadFailed | None
 
@@ -79,7 +83,7 @@ class PubRelease(PubEnd):
 class PubLost(PubEnd):
     """``LOCAL_CONNECTION_LOST``: the publications orphaned by it are collected here."""
 
-    orphans: list[_Pub]
+    orphans: list[Pub]
 
 
 @dataclass(slots=True)
@@ -96,13 +100,12 @@ class PubExpiry(PubEnd):
 
 @dataclass(slots=True)
 class ConnAt:
-    """``LOCAL_PUBLISH`` (and ``_RETRY``), ``RECV_UNKNOWN_SESSION``, ``LOCAL_HELD_ABORTS``:
-    when, where the outputs go, and the publication that waits for the connection (None
-    when no publication is at stake; ``LOCAL_PUBLISH`` always names one)."""
+    """``LOCAL_PUBLISH`` (and ``_BACKOFF``), ``RECV_UNKNOWN_SESSION``, ``LOCAL_HELD_ABORTS``:
+    when, and the publication that waits for the connection (None when no publication is
+    at stake; ``LOCAL_PUBLISH`` always names one)."""
 
     now: float
-    out: list[ProducerOutput]
-    pub: _Pub | None
+    pub: Pub | None
 
 
 @dataclass(slots=True)
@@ -110,6 +113,14 @@ class ConnAck(ConnAt):
     """``RECV_ACK_V1``, ``RECV_ACK_V2``, ``RECV_ACK_REFUSED``: the peer's answer."""
 
     ack: Ack
+
+
+@dataclass(slots=True)
+class ConnAbort:
+    """``LOCAL_ABORT`` (and ``_UNTOLD``): the ids our ABORT names, and why."""
+
+    ext_ids: list[str]
+    reason: str
 
 
 @dataclass(slots=True)
@@ -152,7 +163,7 @@ class ReqAbort:
 class ReqPeerAbort:
     """``RECV_ABORT``: the Decode's ABORT and the connection it came on."""
 
-    conn: _Conn
+    conn: Conn
     msg: Abort
 
 
@@ -162,11 +173,9 @@ class ReqPeerAbort:
 @dataclass(slots=True)
 class ClaimAt:
     """``RECV_CLAIM``, ``RECV_CLAIM_UNUSABLE``: the claiming connection (None when its
-    target is refused), the claim's chunk, why it is unusable ("" when usable), when, and
-    where the outputs go."""
+    target is refused), the claim's chunk, why it is unusable ("" when usable), and when."""
 
-    conn: _Conn | None
+    conn: Conn | None
     chunk: Chunk
     problem: str
     now: float
-    out: list[ProducerOutput]

@@ -58,22 +58,24 @@ The modules, read top-down
 --------------------------
 :mod:`.config`        what the caller gives and reads: :class:`ProducerConfig`,
                       :class:`DecodeTarget`, :class:`ProducerStats`, :class:`PublicationView`
-:mod:`.records`       one private record per machine instance: storage gate, connection,
-                      request, publication
-:mod:`.state`         the state they all share, and the four tables they fire
-:mod:`.requests`      the request machine's effects
-:mod:`.handshakes`    the connection machine's effects: handshakes, refusals, ABORTs out
-:mod:`.publications`  the publication and storage-gate machines' effects: readiness out,
-                      replies matched, publications ended
-:mod:`.dead_peers`    :meth:`~ProducerEndpoint.connection_lost`, silent peers,
-                      :meth:`~ProducerEndpoint.connection_resumed`
-:mod:`.leases`        leases that run out: ABORT then reopen, or hold
-:mod:`.endpoint`      :class:`ProducerEndpoint`: the public inputs and views, and each
-                      table's effects bound to their handlers
+:mod:`.records`       one record per machine instance: storage gate, connection, request,
+                      publication, kept request
+:mod:`.state`         :class:`~.state.ProducerState`, the one record they all share, and
+                      the base of the effects objects
+:mod:`.requests`      the request machine's effects object
+:mod:`.handshakes`    the connection machine's effects object: handshakes, refusals, ABORTs
+:mod:`.publications`  the publication and storage-gate machines' effects objects: readiness
+                      out, replies matched, publications ended
+:mod:`.leases`        (publication effects) leases that run out: ABORT then reopen, or hold
+:mod:`.dead_peers`    (publication effects) dead, silent and resumed connections
+:mod:`.kept`          the kept request machine's effects object (Prefill-first)
+:mod:`.endpoint`      :class:`ProducerEndpoint`: the public inputs and views
 
-Each module's class derives from the classes whose methods it calls (:mod:`.state` says
-in what order), so :class:`ProducerEndpoint` is all of them; the effect handlers reach
-one another only through the tables.
+Composition, not inheritance: :class:`ProducerEndpoint` holds the state
+(``endpoint.state``) and one effects object per machine over it; each effects object
+binds its machine's table to its own handlers (``TABLE``) and reaches the other machines
+only through their effects objects and tables. Outputs are appended to ``state.out``;
+each input method of the endpoint hands back that list and starts a new one.
 """
 
 from __future__ import annotations

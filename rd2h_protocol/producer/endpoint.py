@@ -1,61 +1,29 @@
-"""The Prefill endpoint: its public inputs and views, and its tables bound to their handlers.
+"""The Prefill endpoint: its public inputs and views, over one state and its effects objects.
 
-:class:`ProducerEndpoint` is every module of this package put together (see
-:mod:`.state`); what it adds is what the runtime calls: requests and steps, peer frames,
-timers, and the views invariant checks read. :meth:`~ProducerEndpoint.connection_lost`
-and :meth:`~ProducerEndpoint.connection_resumed` are in :mod:`.dead_peers`, where the
-lease of a silent peer's publication calls the first.
+:class:`ProducerEndpoint` holds a :class:`~.state.ProducerState` (``state``, the one
+record of everything it keeps) and one effects object per machine, built over that state
+(see :mod:`.state`). What it adds is what the runtime calls: requests and steps, peer
+frames, timers, dead and resumed connections, Prefill-first keeping and claims, and the
+views invariant checks read. Every input method returns the outputs its effects appended
+to ``state.out``, and starts a new list. It pickles as its state alone: the effects
+objects hold nothing of their own and are rebuilt when it is read back.
 """
 
 from __future__ import annotations
 
 import heapq
 from collections.abc import Iterable
+from typing import Any
 
 from rd2h_protocol.errors import ErrorCode, LocalProtocolError, RemoteProtocolError, TransferError
 from rd2h_protocol.events import Chunk, ConnectionView, Disconnect
-from rd2h_protocol.machines.declare import NO_EFFECT, no_effect
 from rd2h_protocol.machines.producer import (
     C_TIMER_HANDSHAKE_EXPIRED,
     CONN_READY_V1,
     CONN_READY_V2,
-    CONNECTION_HANDSHAKE,
-    EFFECT_COUNT_DUPLICATE,
-    EFFECT_COUNT_STALE,
-    EFFECT_COUNT_STRAY_ACK,
-    EFFECT_DONE,
-    EFFECT_EXPIRE_ABORT,
-    EFFECT_EXPIRE_UNSENT,
-    EFFECT_EXPIRE_UNTOLD,
-    EFFECT_FAIL,
-    EFFECT_FAIL_QUEUED,
-    EFFECT_FINISH,
-    EFFECT_FLUSH,
-    EFFECT_HOLD,
-    EFFECT_IGNORE,
-    EFFECT_ORPHAN,
-    EFFECT_PUBLISH_KEPT,
-    EFFECT_QUEUE,
-    EFFECT_RECORD_FAILURE,
-    EFFECT_REFUSE_CLAIM,
-    EFFECT_REFUSED,
-    EFFECT_RELEASE,
-    EFFECT_RELEASE_HELD,
-    EFFECT_RELEASE_UNCLAIMED,
-    EFFECT_REOPEN,
-    EFFECT_REQUEUE,
-    EFFECT_RESEND,
-    EFFECT_RESET,
-    EFFECT_SCHEDULE,
-    EFFECT_SCHEDULE_CLAIMED,
-    EFFECT_SEND,
-    EFFECT_SEND_ABORT,
-    EFFECT_SEND_META,
-    EFFECT_STOP,
     GATE_OPEN,
-    KEPT_REQUEST,
-    LAYER_PUBLICATION,
     P_RECV_DONE,
+    P_TIMER_DUE,
     PREFILL_REQUEST,
     R_LOCAL_ABORT,
     R_LOCAL_CHUNK,
@@ -64,78 +32,61 @@ from rd2h_protocol.machines.producer import (
     R_SEND_DONE,
     REQ_FINAL_SCHEDULED,
     REQ_PUBLISHING,
-    STORAGE_GATE,
 )
-from rd2h_protocol.machines.producer_inputs import ConnEnd, ReqAbort, ReqChunk
-from rd2h_protocol.producer.config import DecodeTarget, Output, PublicationView
-from rd2h_protocol.producer.dead_peers import _DeadPeers
-from rd2h_protocol.producer.handshakes import _Handshakes
-from rd2h_protocol.producer.kept import _KeptRequests
-from rd2h_protocol.producer.leases import _Leases
-from rd2h_protocol.producer.publications import _Publications
-from rd2h_protocol.producer.records import _Pub, _Request
-from rd2h_protocol.producer.requests import _STILL_READ, _Requests
+from rd2h_protocol.machines.producer_inputs import ConnEnd, PubAt, ReqAbort, ReqChunk
+from rd2h_protocol.producer.config import (
+    DecodeTarget,
+    Output,
+    ProducerConfig,
+    ProducerStats,
+    PublicationView,
+)
+from rd2h_protocol.producer.dead_peers import lose_connection, resume_connection
+from rd2h_protocol.producer.handshakes import ConnectionEffects
+from rd2h_protocol.producer.kept import KeptEffects
+from rd2h_protocol.producer.publications import GateEffects, PublicationEffects
+from rd2h_protocol.producer.records import Conn, Pub, Request
+from rd2h_protocol.producer.requests import STILL_READ, RequestEffects
+from rd2h_protocol.producer.state import ProducerState, wire_effects
 from rd2h_protocol.wire.codec import decode
 from rd2h_protocol.wire.messages import Abort, Ack, Message, ReadDone, ReadFailed, ReadReq
 
 
-class ProducerEndpoint(_KeptRequests):
+class ProducerEndpoint:
     """Sans-IO Prefill endpoint for one TP rank (see the package docstring)."""
 
-    # The tables drive the action: each declared effect bound to its handler.
-    _GATE = STORAGE_GATE.bind({NO_EFFECT: no_effect, EFFECT_REOPEN: _Publications._fx_reopen})
-    _REQUEST = PREFILL_REQUEST.bind(
-        {
-            NO_EFFECT: no_effect,
-            EFFECT_SCHEDULE: _Requests._fx_schedule,
-            EFFECT_SCHEDULE_CLAIMED: _KeptRequests._fx_schedule_claimed,
-            EFFECT_IGNORE: no_effect,
-            EFFECT_RECORD_FAILURE: _Requests._fx_record_failure,
-            EFFECT_SEND_ABORT: _Requests._fx_send_abort,
-            EFFECT_STOP: _Requests._fx_stop,
-            EFFECT_FINISH: _Requests._fx_finish,
-        }
-    )
-    _PUB = LAYER_PUBLICATION.bind(
-        {
-            NO_EFFECT: no_effect,
-            EFFECT_SEND: _Publications._fx_send,
-            EFFECT_RESEND: _Publications._fx_resend,
-            EFFECT_DONE: _Publications._fx_done,
-            EFFECT_FAIL: _Publications._fx_fail,
-            EFFECT_REQUEUE: _Publications._fx_requeue,
-            EFFECT_RELEASE: _Publications._fx_release,
-            EFFECT_EXPIRE_ABORT: _Leases._fx_expire_abort,
-            EFFECT_EXPIRE_UNSENT: _Leases._fx_expire_unsent,
-            EFFECT_EXPIRE_UNTOLD: _Leases._fx_expire_untold,
-            EFFECT_HOLD: _Leases._fx_hold,
-            EFFECT_ORPHAN: _DeadPeers._fx_orphan,
-            EFFECT_RELEASE_HELD: _Publications._fx_release_held,
-            EFFECT_COUNT_DUPLICATE: _Publications._fx_count_duplicate,
-            EFFECT_COUNT_STALE: _Publications._fx_count_stale,
-        }
-    )
-    _KEPT = KEPT_REQUEST.bind(
-        {
-            NO_EFFECT: no_effect,
-            EFFECT_PUBLISH_KEPT: _KeptRequests._fx_publish_kept,
-            EFFECT_REFUSE_CLAIM: _KeptRequests._fx_refuse_claim,
-            EFFECT_RELEASE_UNCLAIMED: _KeptRequests._fx_release_unclaimed,
-        }
-    )
-    _CONN = CONNECTION_HANDSHAKE.bind(
-        {
-            EFFECT_SEND_META: _Handshakes._fx_send_meta,
-            EFFECT_QUEUE: _Handshakes._fx_queue,
-            EFFECT_SEND: _Handshakes._fx_conn_send,
-            EFFECT_RELEASE: _Handshakes._fx_conn_release,
-            EFFECT_FLUSH: _Handshakes._fx_flush,
-            EFFECT_REFUSED: _Handshakes._fx_refused,
-            EFFECT_FAIL_QUEUED: _Handshakes._fx_fail_queued,
-            EFFECT_RESET: _Handshakes._fx_reset,
-            EFFECT_COUNT_STRAY_ACK: _Handshakes._fx_count_stray_ack,
-        }
-    )
+    def __init__(self, config: ProducerConfig) -> None:
+        self._attach(ProducerState(config))
+
+    def _attach(self, state: ProducerState) -> None:
+        """Build the effects objects over ``state`` (one per machine) and link them."""
+        self.state = state
+        self._req_fx = req = RequestEffects(state)
+        self._conn_fx = conn = ConnectionEffects(state)
+        self._pub_fx = pub = PublicationEffects(state)
+        gate = GateEffects(state)
+        self._kept_fx = kept = KeptEffects(state)
+        wire_effects(req, conn, pub, gate, kept)
+
+    def __reduce__(self) -> tuple[Any, tuple[ProducerState]]:
+        # A snapshot holds the state only; the effects objects are rebuilt over it.
+        return _restore, (self.state,)
+
+    @property
+    def config(self) -> ProducerConfig:
+        """What the caller configured."""
+        return self.state.config
+
+    @property
+    def stats(self) -> ProducerStats:
+        """Counters (see :class:`ProducerStats`)."""
+        return self.state.stats
+
+    def _flush(self) -> list[Output]:
+        """Hand out the outputs of this call; the next one starts a new list."""
+        state = self.state
+        out, state.out = state.out, []
+        return out
 
     # -- caller inputs ---------------------------------------------------------------------
 
@@ -147,10 +98,11 @@ class ProducerEndpoint(_KeptRequests):
         :class:`LocalProtocolError` for an id already registered.
         """
         del now  # registration starts no deadline
-        if ext_req_id in self._requests:
+        requests = self.state.requests
+        if ext_req_id in requests:
             raise LocalProtocolError(f"request {ext_req_id!r} is already registered")
-        conn = self._conn_for(target)
-        self._requests[ext_req_id] = _Request(ext_req_id, conn, PREFILL_REQUEST.initial)
+        conn = self._conn_fx.conn_for(target)
+        requests[ext_req_id] = Request(ext_req_id, conn, PREFILL_REQUEST.initial)
         return []
 
     def schedule_chunk(self, chunk: Chunk, now: float) -> list[Output]:
@@ -161,16 +113,17 @@ class ProducerEndpoint(_KeptRequests):
         layer, a second chunk of one request in a step, or a negative offset or block id.
         """
         del now  # scheduling starts no deadline
+        state = self.state
         ext_req_id = chunk.ext_req_id
-        req = self._requests.get(ext_req_id)
+        req = state.requests.get(ext_req_id)
         if req is None:
             raise LocalProtocolError(f"request {ext_req_id!r} is not registered")
-        if self._step_layers:
+        if state.step_layers:
             raise LocalProtocolError(
                 f"request {ext_req_id!r}: chunks must be scheduled before the step's first "
-                f"layer_written ({self._step_layers} layers are written already)"
+                f"layer_written ({state.step_layers} layers are written already)"
             )
-        if ext_req_id in self._step.get(req.conn.name, ()):
+        if ext_req_id in state.step.get(req.conn.name, ()):
             raise LocalProtocolError(f"request {ext_req_id!r} is scheduled twice in one step")
         if chunk.main_start < 0 or chunk.indexer_start < 0:
             raise LocalProtocolError(
@@ -182,7 +135,8 @@ class ProducerEndpoint(_KeptRequests):
         if (main and min(main) < 0) or (indexer and min(indexer) < 0):
             raise LocalProtocolError(f"request {ext_req_id!r}: block ids must be >= 0")
         event = R_LOCAL_FINAL_CHUNK if chunk.final else R_LOCAL_CHUNK
-        self._REQUEST.apply(self, req, event, ReqChunk(chunk, main, indexer))
+        req_fx = self._req_fx
+        req_fx.TABLE.apply(req_fx, req, event, ReqChunk(chunk, main, indexer))
         return []
 
     def can_overwrite(self, layer_idx: int) -> bool:
@@ -192,11 +146,13 @@ class ProducerEndpoint(_KeptRequests):
         :class:`TransferError` here, once.
         """
         slots = self._slots_of(layer_idx)
-        if self._pending_raise:
-            failures = [self._pending_raise.pop(s) for s in slots if s in self._pending_raise]
+        state = self.state
+        pending = state.pending_raise
+        if pending:
+            failures = [pending.pop(s) for s in slots if s in pending]
             if failures:
                 raise TransferError(f"layer {layer_idx}: " + "; ".join(failures))
-        gates = self._gates
+        gates = state.gates
         return all(gates[s].state == GATE_OPEN for s in slots)
 
     def layer_written(self, layer_idx: int, now: float) -> list[Output]:
@@ -209,73 +165,80 @@ class ProducerEndpoint(_KeptRequests):
         must wait for :meth:`can_overwrite`) or the layer is not after the step's last.
         """
         slots = self._slots_of(layer_idx)
-        if layer_idx <= self._step_top:
+        state = self.state
+        if layer_idx <= state.step_top:
             raise LocalProtocolError(
-                f"layer {layer_idx} written after layer {self._step_top} in the same step; "
+                f"layer {layer_idx} written after layer {state.step_top} in the same step; "
                 "layers are written once each, in increasing order"
             )
-        busy = [s for s in slots if self._gates[s].state != GATE_OPEN]
+        gates = state.gates
+        busy = [s for s in slots if gates[s].state != GATE_OPEN]
         if busy:
             raise LocalProtocolError(
                 f"layer {layer_idx} was written while its storage slots {busy} are still "
                 f"being read; wait for can_overwrite({layer_idx})"
             )
-        self._step_layers += 1
-        self._step_top = layer_idx
+        state.step_layers += 1
+        state.step_top = layer_idx
+        pending = state.pending_raise
         for s in slots:
-            self._pending_raise.pop(s, None)  # that storage holds new data now
-        out: list[Output] = []
-        last = layer_idx == self._last_layer
-        deadline = now + self._lease_s
-        pubs: list[_Pub] = []
-        for reqs in self._step.values():
+            pending.pop(s, None)  # that storage holds new data now
+        last = layer_idx == state.last_layer
+        deadline = now + state.lease_s
+        pubs: list[Pub] = []
+        req_fx = self._req_fx
+        apply_req = req_fx.TABLE.apply
+        publish = self._pub_fx.publish
+        for reqs in state.step.values():
             read_reqs: list[ReadReq] = []
             done: list[str] = []
-            named: list[_Request] = []
+            named: list[Request] = []
             for req in reqs.values():
-                state = req.state
-                if state not in REQ_PUBLISHING:
+                req_state = req.state
+                if req_state not in REQ_PUBLISHING:
                     continue  # failing or aborting: stop publishing it
                 chunk = req.chunk
                 if chunk is not None:
                     read_reqs.append(chunk)
-                if last and state == REQ_FINAL_SCHEDULED:
+                if last and req_state == REQ_FINAL_SCHEDULED:
                     done.append(req.ext_id)
-                    self._REQUEST.apply(self, req, R_SEND_DONE, None)
+                    apply_req(req_fx, req, R_SEND_DONE, None)
                 elif chunk is None:
                     continue
                 named.append(req)
             if named:
-                pubs.append(self._publish(layer_idx, slots, read_reqs, done, named, deadline))
+                pubs.append(publish(layer_idx, slots, read_reqs, done, named, deadline))
         # Every publication holds the gates before any connection acts on its own, so a
         # refused connection releasing its share never reports a gate the others still hold.
+        conn_publish = self._conn_fx.publish
         for pub in pubs:
-            self._conn_publish(pub, now, out)
-        return out
+            conn_publish(pub, now)
+        return self._flush()
 
     def end_step(self, now: float) -> list[Output]:
         """The step is over. Requests whose chunk missed a layer fail (their data is
         incomplete on Decode); the step's chunks are forgotten."""
         del now  # ending a step starts no deadline
-        out: list[Output] = []
-        missing = len(self._layer_names) - self._step_layers
-        for reqs in list(self._step.values()):
+        state = self.state
+        req_fx = self._req_fx
+        n_layers = len(state.layer_names)
+        missing = n_layers - state.step_layers
+        for reqs in list(state.step.values()):
             for req in list(reqs.values()):
                 req.chunk = None
-                if missing and req.state in _STILL_READ:
-                    self._fail(
+                if missing and req.state in STILL_READ:
+                    req_fx.fail(
                         req,
                         R_LOCAL_FAILURE,
                         ErrorCode.STEP_INCOMPLETE,
-                        f"the step ended with {missing} of {len(self._layer_names)} layers "
-                        "not written",
+                        f"the step ended with {missing} of {n_layers} layers not written",
                     )
-                    self._maybe_drain(req, out)
-        self._step.clear()
-        self._step_count = 0
-        self._step_layers = 0
-        self._step_top = -1
-        return out
+                    req_fx.maybe_drain(req)
+        state.step.clear()
+        state.step_count = 0
+        state.step_layers = 0
+        state.step_top = -1
+        return self._flush()
 
     def abort(self, ext_ids: Iterable[str], reason: str, now: float) -> list[Output]:
         """Stop publishing these requests and tell their v2 Decode endpoints why.
@@ -285,21 +248,23 @@ class ProducerEndpoint(_KeptRequests):
         ended.
         """
         del now
-        out: list[Output] = []
+        state = self.state
         by_conn: dict[str, list[str]] = {}
         abort = ReqAbort(reason, by_conn)
-        touched: list[_Request] = []
+        touched: list[Request] = []
+        req_fx = self._req_fx
         for ext_id in ext_ids:
-            req = self._requests.get(ext_id)
+            req = state.requests.get(ext_id)
             if req is None:
                 continue
-            self._REQUEST.apply(self, req, R_LOCAL_ABORT, abort)
+            req_fx.TABLE.apply(req_fx, req, R_LOCAL_ABORT, abort)
             touched.append(req)
+        conn_fx = self._conn_fx
         for name, ids in by_conn.items():
-            self._send_abort(self._conns[name], ids, reason, out)
+            conn_fx.send_abort(state.conns[name], ids, reason)
         for req in touched:
-            self._maybe_drain(req, out)
-        return out
+            req_fx.maybe_drain(req)
+        return self._flush()
 
     # -- peer input ------------------------------------------------------------------------
 
@@ -314,46 +279,117 @@ class ProducerEndpoint(_KeptRequests):
         the peer is declared dead, as h2 closes a connection on one (a :class:`Disconnect`
         saying why, then what :meth:`connection_lost` does).
         """
+        state = self.state
         if isinstance(frame, bytes | bytearray | memoryview):
             try:
                 msg = decode(frame)
             except RemoteProtocolError:
-                self.stats.malformed_frames += 1
+                state.stats.malformed_frames += 1
                 return []
         else:
             msg = frame
-        c = self._conns.get(conn)
+        c = state.conns.get(conn)
         if c is None or not c.connected:  # not a connection we opened
-            self.stats.unexpected_messages += 1
+            state.stats.unexpected_messages += 1
             return []
-        if self.config.silent_peer_timeout_s is not None:  # (kept only where it is used)
+        if state.config.silent_peer_timeout_s is not None:  # (kept only where it is used)
             c.last_heard = now
-        out: list[Output] = []
+        pub_fx = self._pub_fx
         try:
             if isinstance(msg, ReadDone):
-                self._on_reply(c, msg.layer_idx, msg.seq, P_RECV_DONE, now, out, msg.failed)
+                pub_fx.on_reply(c, msg.layer_idx, msg.seq, P_RECV_DONE, now, msg.failed)
             elif isinstance(msg, ReadFailed):
-                self._on_read_failed(c, msg, now, out)
+                pub_fx.on_read_failed(c, msg, now)
             elif isinstance(msg, Ack):
-                self._on_ack(c, msg, now, out)
+                self._conn_fx.on_ack(c, msg, now)
             elif isinstance(msg, Abort):
-                self._on_abort(c, msg, out)
+                self._req_fx.on_abort(c, msg)
             else:
-                self.stats.unexpected_messages += 1
+                state.stats.unexpected_messages += 1
         except RemoteProtocolError as exc:
-            self.stats.protocol_violations += 1
-            out.append(Disconnect(conn, f"protocol violation: {exc.message}"))
-            out.extend(self.connection_lost(conn, now))
-        return out
+            state.stats.protocol_violations += 1
+            state.out.append(Disconnect(conn, f"protocol violation: {exc.message}"))
+            lose_connection(pub_fx, c, now)
+        return self._flush()
+
+    def connection_lost(self, conn: str, now: float) -> list[Output]:
+        """The runtime's heartbeat declared Decode endpoint ``conn`` dead.
+
+        Every publication out on it fails its requests now (``CONNECTION_LOST``); a v2
+        peer is sent an ABORT for them, best effort, since it may come back. Their storage
+        gates reopen only once their lease has run out as well (at once for a lease that
+        ran out already), or when a reply comes after all: see "Dead peers" in the package
+        docstring for why the lease is still required. Readiness that waited for the
+        handshake is released, and the connection returns to idle, so the next
+        publication starts a fresh handshake, preceded by a :class:`Connect` (the runtime
+        may have replaced the DEALER); any refusal backoff is forgotten. Frames that still
+        arrive on ``conn`` are handled as before. Raises :class:`LocalProtocolError` for a
+        name this endpoint never opened.
+        """
+        lose_connection(self._pub_fx, self._conn_named(conn), now)
+        return self._flush()
+
+    def connection_resumed(self, conn: str, now: float) -> list[Output]:
+        """The connection to Decode endpoint ``conn`` broke and came back, to the same peer.
+
+        The runtime calls this when its transport reconnected within the grace it gives a
+        broken connection (ZMQ reconnects by itself; the peer keeps its state). Frames in
+        flight either way may have been lost with the old connection: a readiness that
+        never arrived, or a reply that was sent into it. Every publication still waiting
+        for its reply on ``conn`` is sent again, under the seq it had and in seq order, to
+        a peer with the ``resend`` capability: that peer answers a seq it has served from
+        memory (and reads only one it never received), so nothing is read twice. Toward
+        any other peer nothing is sent; its leases bound the wait. Nor is a live
+        publication whose lease has run out (its lease timer ends it): Decode could start
+        that read after its storage reopened. A held one is (only a reply frees it).
+        Raises :class:`LocalProtocolError` for a name this endpoint never opened.
+        """
+        resume_connection(self._pub_fx, self._conn_named(conn), now)
+        return self._flush()
+
+    def _conn_named(self, conn: str) -> Conn:
+        c = self.state.conns.get(conn)
+        if c is None:
+            raise LocalProtocolError(f"connection {conn!r} is not a Decode endpoint of ours")
+        return c
+
+    # -- Prefill-first ---------------------------------------------------------------------
+
+    def keep_request(self, ext_req_id: str, now: float) -> list[Output]:
+        """Keep a computed request for the Decode that will claim it (Prefill-first).
+
+        Its blocks must stay untouched until :class:`RequestFinished` names it: after a
+        claim's reads, or unread when ``claim_timeout_s`` passes with no claim. Raises
+        :class:`LocalProtocolError` for an id kept or registered already, or when this
+        Prefill cannot keep a request (v1 only, or storage shared between layers: the
+        message names the Decode-first proxy instead).
+        """
+        self._kept_fx.keep_request(ext_req_id, now)
+        return []
+
+    def claim(
+        self, ext_req_id: str, target: DecodeTarget, chunk: Chunk, now: float
+    ) -> list[Output]:
+        """Decode ``target`` claims kept request ``ext_req_id``: publish ``chunk`` to it.
+
+        ``chunk`` holds the request's blocks that Decode does not hold yet (its prefix
+        hit left out), ``final``. Peer input: never raises; the answer is a
+        :class:`ClaimAnswered` among the outputs (refused for an id not kept here, one
+        claimed already, or a Decode whose topology this Prefill cannot serve).
+        """
+        self._kept_fx.claim(ext_req_id, target, chunk, now)
+        return self._flush()
 
     # -- time ------------------------------------------------------------------------------
 
     def get_timer(self) -> float | None:
         """The earliest deadline (lease or handshake), or None when nothing is pending."""
-        timers = self._timers
+        state = self.state
+        timers = state.timers
+        pubs, handshakes, kept_timers = state.pubs, state.handshakes, state.kept_timers
         while timers:
             _, uid = timers[0]
-            if uid in self._pubs or uid in self._handshakes or uid in self._kept_timers:
+            if uid in pubs or uid in handshakes or uid in kept_timers:
                 return timers[0][0]
             heapq.heappop(timers)
         return None
@@ -368,33 +404,35 @@ class ProducerEndpoint(_KeptRequests):
         its gates stay closed (see the package docstring). An expired handshake releases
         the readiness queued on that connection.
         """
-        out: list[Output] = []
-        timers = self._timers
+        state = self.state
+        timers = state.timers
+        pub_fx = self._pub_fx
         while timers and timers[0][0] <= now:
             _, uid = heapq.heappop(timers)
-            pub = self._pubs.get(uid)
-            if pub is not None:
-                self._expire(pub, now, out)
+            pub = state.pubs.get(uid)
+            if pub is not None:  # the table says which deadline it was
+                pub_fx.TABLE.apply(pub_fx, pub, P_TIMER_DUE, PubAt(now))
                 continue
-            if self._claim_expired(uid, out):
+            if self._kept_fx.claim_expired(uid):
                 continue
-            conn = self._handshakes.pop(uid, None)
+            conn = state.handshakes.pop(uid, None)
             if conn is not None:
-                self.stats.handshake_timeouts += 1
+                state.stats.handshake_timeouts += 1
                 message = (
                     f"handshake with {conn.name} timed out after "
-                    f"{self.config.handshake_timeout_s} s"
+                    f"{state.config.handshake_timeout_s} s"
                 )
-                self._CONN.apply(
-                    self, conn, C_TIMER_HANDSHAKE_EXPIRED, ConnEnd(now, out, None, message)
+                conn_fx = self._conn_fx
+                conn_fx.TABLE.apply(
+                    conn_fx, conn, C_TIMER_HANDSHAKE_EXPIRED, ConnEnd(now, None, message)
                 )
-        return out
+        return self._flush()
 
     # -- views for invariant checks --------------------------------------------------------
 
     def gates(self) -> dict[int, tuple[str, int]]:
         """``{slot: (state, outstanding publications)}``."""
-        return {slot: (g.state, g.outstanding) for slot, g in self._gates.items()}
+        return {slot: (g.state, g.outstanding) for slot, g in self.state.gates.items()}
 
     def layer_slots(self, layer_idx: int) -> tuple[int, ...]:
         """The storage slots layer ``layer_idx`` writes (main, then indexer if any)."""
@@ -402,7 +440,11 @@ class ProducerEndpoint(_KeptRequests):
 
     def requests(self) -> dict[str, str]:
         """``{ext_id: state}`` of every request not yet finished."""
-        return {ext_id: req.state for ext_id, req in self._requests.items()}
+        return {ext_id: req.state for ext_id, req in self.state.requests.items()}
+
+    def kept(self) -> dict[str, str]:
+        """``{ext_id: kept-request state}`` of every request kept or claimed, not finished."""
+        return {ext_id: kept.state for ext_id, kept in self.state.kept.items()}
 
     def publications(self) -> dict[int, PublicationView]:
         """Every live (not yet ended) publication."""
@@ -416,30 +458,37 @@ class ProducerEndpoint(_KeptRequests):
                 tuple(r.ext_id for r in pub.requests),
                 pub.deadline,
             )
-            for uid, pub in self._pubs.items()
+            for uid, pub in self.state.pubs.items()
         }
 
     def connections(self) -> dict[str, str]:
         """``{conn: handshake state}``."""
-        return {name: c.state for name, c in self._conns.items()}
+        return {name: c.state for name, c in self.state.conns.items()}
 
     def negotiated(self, conn: str) -> ConnectionView:
         """The protocol and capabilities negotiated on connection ``conn``.
 
         Raises :class:`LocalProtocolError` for a connection this endpoint never opened.
         """
-        c = self._conns.get(conn)
-        if c is None:
-            raise LocalProtocolError(f"connection {conn!r} is not a Decode endpoint of ours")
+        c = self._conn_named(conn)
         return ConnectionView.of(
             c.name, c.state, c.caps, v2_state=CONN_READY_V2, v1_state=CONN_READY_V1
         )
 
     def is_idle(self) -> bool:
         """True when no per-request state is left (no request, publication or chunk)."""
-        return not self._requests and not self._pubs and not self._step_count and not self._kept
+        state = self.state
+        return not state.requests and not state.pubs and not state.step_count and not state.kept
 
     def _slots_of(self, layer_idx: int) -> tuple[int, ...]:
-        if not 0 <= layer_idx <= self._last_layer:
-            raise LocalProtocolError(f"layer index {layer_idx} is outside [0, {self._last_layer}]")
-        return self._layer_slots[layer_idx]
+        last = self.state.last_layer
+        if not 0 <= layer_idx <= last:
+            raise LocalProtocolError(f"layer index {layer_idx} is outside [0, {last}]")
+        return self.state.layer_slots[layer_idx]
+
+
+def _restore(state: ProducerState) -> ProducerEndpoint:
+    """An endpoint read back from a snapshot of its state (see ``__reduce__``)."""
+    endpoint = ProducerEndpoint.__new__(ProducerEndpoint)
+    endpoint._attach(state)
+    return endpoint

@@ -3,8 +3,8 @@
 A standard router (vllm-router, llm-d, vLLM's example proxy) sends Prefill the prompt
 first, with no Decode named. Prefill computes it, keeps its blocks and answers where its
 KV is (:mod:`rd2h_protocol.claim`); the router then sends the request to a Decode, which
-*claims* it from this rank. :meth:`_KeptRequests.keep_request` holds the request for the
-claim window; :meth:`_KeptRequests.claim` registers a Prefill request toward the claiming
+*claims* it from this rank. :meth:`KeptEffects.keep_request` holds the request for the
+claim window; :meth:`KeptEffects.claim` registers a Prefill request toward the claiming
 Decode and publishes every layer at once, detached from the compute step (the KV was
 written in earlier steps and its blocks are still held), after which the request ends as
 any other: once every publication naming it has ended. A claim window that runs out
@@ -19,23 +19,28 @@ step, so it refuses to keep a request.
 from __future__ import annotations
 
 import heapq
+from typing import ClassVar
 
 from rd2h_protocol.errors import ErrorCode, LocalProtocolError, TopologyError
 from rd2h_protocol.events import Chunk, ClaimAnswered, RequestFinished
+from rd2h_protocol.machines.declare import NO_EFFECT, BoundMachine, no_effect
 from rd2h_protocol.machines.producer import (
     CONN_READY_V1,
+    EFFECT_PUBLISH_KEPT,
+    EFFECT_REFUSE_CLAIM,
+    EFFECT_RELEASE_UNCLAIMED,
     K_RECV_CLAIM,
     K_RECV_CLAIM_UNUSABLE,
     K_TIMER_CLAIM_EXPIRED,
+    KEPT_REQUEST,
     PREFILL_REQUEST,
     R_LOCAL_CLAIMED,
     R_SEND_DONE,
 )
 from rd2h_protocol.machines.producer_inputs import ClaimAt, ReqChunk
-from rd2h_protocol.producer.config import DecodeTarget, Output
-from rd2h_protocol.producer.leases import _Leases
-from rd2h_protocol.producer.records import _Conn, _Kept, _Pub, _Request
-from rd2h_protocol.wire.messages import ReadReq
+from rd2h_protocol.producer.config import DecodeTarget
+from rd2h_protocol.producer.records import Conn, Kept, Pub, Request
+from rd2h_protocol.producer.state import Effects
 
 #: What a Prefill that cannot keep a request says (and where to go instead).
 NOT_KEPT_SHARED_STORAGE = (
@@ -50,149 +55,142 @@ NOT_KEPT_V1 = (
 )
 
 
-class _KeptRequests(_Leases):
+class KeptEffects(Effects):
     """Effects of :data:`~rd2h_protocol.machines.producer.KEPT_REQUEST`, and its inputs."""
 
-    def _can_keep(self) -> str | None:
+    __slots__ = ()
+
+    TABLE: ClassVar[BoundMachine]
+
+    def can_keep(self) -> str | None:
         """Why this endpoint cannot keep a request, or None."""
-        if self._v1_only:
+        state = self.state
+        if state.v1_only:
             return NOT_KEPT_V1
-        storages = {slots[0] for slots in self._layer_slots}
-        if len(storages) < len(self._layer_slots):
+        storages = {slots[0] for slots in state.layer_slots}
+        if len(storages) < len(state.layer_slots):
             return NOT_KEPT_SHARED_STORAGE
         return None
 
-    def keep_request(self, ext_req_id: str, now: float) -> list[Output]:
-        """Keep a computed request for the Decode that will claim it (Prefill-first).
-
-        Its blocks must stay untouched until :class:`RequestFinished` names it: after a
-        claim's reads, or unread when ``claim_timeout_s`` passes with no claim. Raises
-        :class:`LocalProtocolError` for an id kept or registered already, or when this
-        Prefill cannot keep a request (v1 only, or storage shared between layers: the
-        message names the Decode-first proxy instead).
-        """
-        why = self._can_keep()
+    def keep_request(self, ext_req_id: str, now: float) -> None:
+        """What :meth:`~.endpoint.ProducerEndpoint.keep_request` says."""
+        why = self.can_keep()
         if why is not None:
             raise LocalProtocolError(f"request {ext_req_id!r} cannot be kept: {why}")
-        if ext_req_id in self._kept or ext_req_id in self._requests:
+        state = self.state
+        if ext_req_id in state.kept or ext_req_id in state.requests:
             raise LocalProtocolError(f"request {ext_req_id!r} is already kept or registered")
-        uid = self._uid()
-        deadline = now + self.config.claim_timeout_s
-        kept = _Kept(ext_req_id, uid, deadline)
-        self._kept[ext_req_id] = kept
-        self._kept_timers[uid] = kept
-        heapq.heappush(self._timers, (deadline, uid))
-        self.stats.kept += 1
-        return []
+        uid = state.uid()
+        deadline = now + state.config.claim_timeout_s
+        kept = Kept(ext_req_id, uid, deadline)
+        state.kept[ext_req_id] = kept
+        state.kept_timers[uid] = kept
+        heapq.heappush(state.timers, (deadline, uid))
+        state.stats.kept += 1
 
-    def claim(
-        self, ext_req_id: str, target: DecodeTarget, chunk: Chunk, now: float
-    ) -> list[Output]:
-        """Decode ``target`` claims kept request ``ext_req_id``: publish ``chunk`` to it.
-
-        ``chunk`` holds the request's blocks that Decode does not hold yet (its prefix
-        hit left out), ``final``. Peer input: never raises; the answer is a
-        :class:`ClaimAnswered` among the outputs (refused for an id not kept here, one
-        claimed already, or a Decode whose topology this Prefill cannot serve).
-        """
-        out: list[Output] = []
-        kept = self._kept.get(ext_req_id)
+    def claim(self, ext_req_id: str, target: DecodeTarget, chunk: Chunk, now: float) -> None:
+        """What :meth:`~.endpoint.ProducerEndpoint.claim` says (the answer among the
+        outputs)."""
+        state = self.state
+        config = state.config
+        kept = state.kept.get(ext_req_id)
         if kept is None:
-            self.stats.claims_refused += 1
-            out.append(
+            state.stats.claims_refused += 1
+            state.out.append(
                 ClaimAnswered(
                     ext_req_id,
                     False,
                     ErrorCode.UNKNOWN_REQUEST,
-                    f"request {ext_req_id!r} is not kept on Prefill rank {self.config.p_rank}: "
+                    f"request {ext_req_id!r} is not kept on Prefill rank {config.p_rank}: "
                     "never computed here, delivered already, or its claim window "
-                    f"({self.config.claim_timeout_s:g} s) ran out",
+                    f"({config.claim_timeout_s:g} s) ran out",
                 )
             )
-            return out
-        conn: _Conn | None = None
+            return
+        conn: Conn | None = None
         problem = ""
         try:
-            conn = self._conn_for(target)
+            conn = self.conn_fx.conn_for(target)
         except TopologyError as exc:
             problem = exc.message
         if conn is not None and conn.state == CONN_READY_V1:
             problem = f"Decode {conn.name} speaks protocol v1, which has no Prefill-first flow"
         if problem:
-            self._KEPT.apply(
-                self, kept, K_RECV_CLAIM_UNUSABLE, ClaimAt(None, chunk, problem, now, out)
-            )
+            self.TABLE.apply(self, kept, K_RECV_CLAIM_UNUSABLE, ClaimAt(None, chunk, problem, now))
         else:
-            self._KEPT.apply(self, kept, K_RECV_CLAIM, ClaimAt(conn, chunk, "", now, out))
-        return out
+            self.TABLE.apply(self, kept, K_RECV_CLAIM, ClaimAt(conn, chunk, "", now))
 
     # The kept machine's claim effects: (kept, ctx: ClaimAt).
 
-    def _fx_publish_kept(self, kept: _Kept, ctx: ClaimAt) -> None:
+    def _fx_publish_kept(self, kept: Kept, ctx: ClaimAt) -> None:
         """Claimed: register the request toward its Decode, publish every layer at once."""
-        conn, chunk, now, out = ctx.conn, ctx.chunk, ctx.now, ctx.out
+        conn, chunk, now = ctx.conn, ctx.chunk, ctx.now
         assert conn is not None  # RECV_CLAIM: a usable claim names its connection
-        del self._kept_timers[kept.uid]
+        state = self.state
+        del state.kept_timers[kept.uid]
         kept.claimed_by = conn.name
-        self.stats.claimed += 1
-        req = _Request(kept.ext_id, conn, PREFILL_REQUEST.initial)
-        self._requests[kept.ext_id] = req
+        state.stats.claimed += 1
+        req = Request(kept.ext_id, conn, PREFILL_REQUEST.initial)
+        state.requests[kept.ext_id] = req
         main, indexer = list(chunk.main_block_ids), list(chunk.indexer_block_ids)
-        self._REQUEST.apply(self, req, R_LOCAL_CLAIMED, ReqChunk(chunk, main, indexer))
-        out.append(ClaimAnswered(kept.ext_id, True, None, ""))
-        deadline = now + self._lease_s
+        req_fx = self.req_fx
+        req_fx.TABLE.apply(req_fx, req, R_LOCAL_CLAIMED, ReqChunk(chunk, main, indexer))
+        state.out.append(ClaimAnswered(kept.ext_id, True, None, ""))
+        deadline = now + state.lease_s
         read_reqs = [req.chunk] if req.chunk is not None else []
-        pubs: list[_Pub] = []
-        for layer_idx, slots in enumerate(self._layer_slots):
+        pubs: list[Pub] = []
+        publish = self.pub_fx.publish
+        for layer_idx, slots in enumerate(state.layer_slots):
             done: list[str] = []
-            if layer_idx == self._last_layer:
+            if layer_idx == state.last_layer:
                 done.append(req.ext_id)
-                self._REQUEST.apply(self, req, R_SEND_DONE, None)
-            pubs.append(self._publish(layer_idx, slots, read_reqs, done, [req], deadline))
+                req_fx.TABLE.apply(req_fx, req, R_SEND_DONE, None)
+            pubs.append(publish(layer_idx, slots, read_reqs, done, [req], deadline))
         req.chunk = None
+        conn_fx = self.conn_fx
         for pub in pubs:
-            self._conn_publish(pub, now, out)
+            conn_fx.publish(pub, now)
 
-    def _fx_refuse_claim(self, kept: _Kept, ctx: ClaimAt) -> None:
+    def _fx_refuse_claim(self, kept: Kept, ctx: ClaimAt) -> None:
         """A claim this Prefill does not publish: say why."""
-        problem, out = ctx.problem, ctx.out
-        self.stats.claims_refused += 1
+        problem = ctx.problem
+        self.state.stats.claims_refused += 1
         if not problem:
             problem = (
                 f"request {kept.ext_id!r} was claimed already by Decode {kept.claimed_by}; "
                 "its KV is published once"
             )
-        out.append(ClaimAnswered(kept.ext_id, False, ErrorCode.UNKNOWN_REQUEST, problem))
+        self.state.out.append(ClaimAnswered(kept.ext_id, False, ErrorCode.UNKNOWN_REQUEST, problem))
 
-    def _fx_schedule_claimed(self, req: _Request, ctx: ReqChunk) -> None:
-        """The claimed request's blocks, published by the claim itself (no compute step)."""
-        main, indexer = ctx.main, ctx.indexer
-        if main or indexer:
-            chunk = ctx.chunk
-            req.chunk = ReadReq(req.ext_id, main, indexer, chunk.main_start, chunk.indexer_start)
-
-    def _claim_expired(self, uid: int, out: list[Output]) -> bool:
+    def claim_expired(self, uid: int) -> bool:
         """The claim window of a kept request ran out (False: ``uid`` is not one)."""
-        kept = self._kept_timers.pop(uid, None)
+        kept = self.state.kept_timers.pop(uid, None)
         if kept is None:
             return False
-        self._KEPT.apply(self, kept, K_TIMER_CLAIM_EXPIRED, out)
+        self.TABLE.apply(self, kept, K_TIMER_CLAIM_EXPIRED, None)
         return True
 
-    def _fx_release_unclaimed(self, kept: _Kept, out: list[Output]) -> None:
+    def _fx_release_unclaimed(self, kept: Kept, _ctx: None) -> None:
         """No Decode claimed it in time: it ends unread, its blocks may be freed."""
-        del self._kept[kept.ext_id]
-        self.stats.unclaimed += 1
-        out.append(
+        state = self.state
+        del state.kept[kept.ext_id]
+        state.stats.unclaimed += 1
+        state.out.append(
             RequestFinished(
                 kept.ext_id,
                 False,
                 ErrorCode.LEASE_EXPIRED,
-                f"no Decode claimed it within {self.config.claim_timeout_s:g} s "
+                f"no Decode claimed it within {state.config.claim_timeout_s:g} s "
                 "(Prefill-first: the router's Decode step never came)",
             )
         )
 
-    def kept(self) -> dict[str, str]:
-        """``{ext_id: kept-request state}`` of every request kept or claimed, not finished."""
-        return {ext_id: kept.state for ext_id, kept in self._kept.items()}
+
+KeptEffects.TABLE = KEPT_REQUEST.bind(
+    {
+        NO_EFFECT: no_effect,
+        EFFECT_PUBLISH_KEPT: KeptEffects._fx_publish_kept,
+        EFFECT_REFUSE_CLAIM: KeptEffects._fx_refuse_claim,
+        EFFECT_RELEASE_UNCLAIMED: KeptEffects._fx_release_unclaimed,
+    }
+)

@@ -1,32 +1,55 @@
 """The layer publication machine's effects, and the storage gates they close and open.
 
 A publication is one readiness (one layer, one Decode endpoint): it closes its storage
-gates (:meth:`_Publications._publish`), goes on the wire with a seq, is matched to the
-reply that answers it (:meth:`_Publications._find`) and ends
-(:meth:`_Publications._end_pub`), counting itself off its gates and its requests.
+gates (:meth:`PublicationEffects.publish`), goes on the wire with a seq, is matched to the
+reply that answers it (:meth:`PublicationEffects.find`) and ends
+(:meth:`PublicationEffects.end_pub`), counting itself off its gates and its requests. Its
+lease effects are in :mod:`.leases`, a dead peer's orphans in :mod:`.dead_peers`: functions
+that take this effects object, bound into its table here.
 """
 
 from __future__ import annotations
 
 import heapq
+from typing import ClassVar
 
 from rd2h_protocol.errors import ErrorCode, RemoteProtocolError
 from rd2h_protocol.events import GateOpened, LayerReplied, Send
-from rd2h_protocol.machines.declare import Input
+from rd2h_protocol.machines.declare import NO_EFFECT, BoundMachine, Input, no_effect
 from rd2h_protocol.machines.producer import (
     C_RECV_UNKNOWN_SESSION,
     CONN_HANDSHAKING,
     CONN_READY_V2,
+    EFFECT_CHECK_SILENCE,
+    EFFECT_COUNT_DUPLICATE,
+    EFFECT_COUNT_STALE,
+    EFFECT_DONE,
+    EFFECT_EXPIRE_ABORT,
+    EFFECT_EXPIRE_UNSENT,
+    EFFECT_EXPIRE_UNTOLD,
+    EFFECT_FAIL,
+    EFFECT_HOLD,
+    EFFECT_LEASE_RAN_OUT,
+    EFFECT_ORPHAN,
+    EFFECT_ORPHAN_LEASE_RAN_OUT,
+    EFFECT_RELEASE,
+    EFFECT_RELEASE_HELD,
+    EFFECT_REOPEN,
+    EFFECT_REPLAY,
+    EFFECT_REQUEUE,
+    EFFECT_RESEND,
+    EFFECT_SEND,
     G_LOCAL_PUBLISH,
     G_RECV_LAST_REPLY,
     G_RECV_REPLY,
+    LAYER_PUBLICATION,
     P_LOCAL_RESEND,
+    P_LOCAL_RESEND_LAPSED,
     P_RECV_FAILED,
     P_RECV_UNKNOWN_SESSION,
-    PUB_HELD,
-    PUB_REPLAYED,
     R_LOCAL_FAILURE,
     R_RECV_FAILURE,
+    STORAGE_GATE,
 )
 from rd2h_protocol.machines.producer_inputs import (
     ConnAt,
@@ -36,10 +59,10 @@ from rd2h_protocol.machines.producer_inputs import (
     PubReply,
     ReqFailure,
 )
-from rd2h_protocol.producer.config import Output
-from rd2h_protocol.producer.handshakes import _Handshakes
-from rd2h_protocol.producer.records import _Conn, _Gate, _Pub, _Request
-from rd2h_protocol.producer.requests import _STILL_READ, _Requests
+from rd2h_protocol.producer import dead_peers, leases
+from rd2h_protocol.producer.records import Conn, Gate, Pub, Request
+from rd2h_protocol.producer.requests import STILL_READ
+from rd2h_protocol.producer.state import Effects
 from rd2h_protocol.wire.messages import (
     CAP_LEASE,
     CAP_RECONNECT,
@@ -52,85 +75,99 @@ from rd2h_protocol.wire.messages import (
 )
 
 
-class _Publications(_Handshakes, _Requests):
-    """Effects of :data:`~rd2h_protocol.machines.producer.LAYER_PUBLICATION` and
-    :data:`~rd2h_protocol.machines.producer.STORAGE_GATE` (a lease's run-out is in
-    :mod:`.leases`, a dead peer's orphans in :mod:`.dead_peers`)."""
+class PublicationEffects(Effects):
+    """Effects of :data:`~rd2h_protocol.machines.producer.LAYER_PUBLICATION`."""
 
-    def _publish(
+    __slots__ = ()
+
+    TABLE: ClassVar[BoundMachine]
+
+    def publish(
         self,
         layer_idx: int,
         slots: tuple[int, ...],
         read_reqs: list[ReadReq],
         done: list[str],
-        named: list[_Request],
+        named: list[Request],
         deadline: float,
-    ) -> _Pub:
-        uid = self._uid()
-        pub = _Pub(uid, named[0].conn, layer_idx, slots, read_reqs, done, tuple(named), deadline)
-        self._pubs[uid] = pub
+    ) -> Pub:
+        """A new publication of one layer to one connection: it closes the layer's gates
+        and starts its lease (the caller hands it to its connection)."""
+        state = self.state
+        uid = state.uid()
+        pub = Pub(uid, named[0].conn, layer_idx, slots, read_reqs, done, tuple(named), deadline)
+        state.pubs[uid] = pub
         for req in named:
             req.outstanding += 1
+        gates = state.gates
+        gate_fx = self.gate_fx
+        apply_gate = gate_fx.TABLE.apply
         for s in slots:
-            gate = self._gates[s]
-            self._GATE.fire(self, gate, G_LOCAL_PUBLISH, s, None)
+            gate = gates[s]
+            apply_gate(gate_fx, gate, G_LOCAL_PUBLISH, s)
             gate.outstanding += 1
-        heapq.heappush(self._timers, (deadline, uid))
-        self.stats.publications += 1
+        heapq.heappush(state.timers, (deadline, uid))
+        state.stats.publications += 1
         return pub
 
-    def _fx_send(self, pub: _Pub, ctx: PubAt) -> None:
+    def _fx_send(self, pub: Pub, ctx: PubAt) -> None:
         now = ctx.now
-        if pub.state == PUB_REPLAYED:
-            self.stats.replays += 1
         conn = pub.conn
         seq = conn.next_seq
         conn.next_seq += 1
         pub.seq = seq
         pub.sent_at = now
         conn.sent[seq] = pub
-        ctx.out.append(Send(conn.name, self._readiness(pub, now)))
+        self.state.out.append(Send(conn.name, self._readiness(pub, now)))
 
-    def _readiness(self, pub: _Pub, now: float) -> ReadReadyBatch:
+    def _fx_replay(self, pub: Pub, ctx: PubAt) -> None:
+        """Sent again after a new handshake, under a fresh seq: counted as a replay."""
+        self.state.stats.replays += 1
+        self._fx_send(pub, ctx)
+
+    def _readiness(self, pub: Pub, now: float) -> ReadReadyBatch:
         """The readiness of ``pub`` as it goes out now (its seq, what is left of its lease)."""
         conn = pub.conn
         caps = conn.caps
         read_reqs = pub.read_reqs
         done = pub.done_ids
-        if any(r.state not in _STILL_READ for r in pub.requests):
+        if any(r.state not in STILL_READ for r in pub.requests):
             # Some stopped while this waited for the handshake: do not publish them.
-            live = {r.ext_id for r in pub.requests if r.state in _STILL_READ}
+            live = {r.ext_id for r in pub.requests if r.state in STILL_READ}
             read_reqs = [r for r in read_reqs if r.ext_req_id in live]
             done = [d for d in done if d in live]
         contributor = conn.contributor
+        state = self.state
         return ReadReadyBatch(
-            layer_idx=self._wire_index[pub.layer_idx],
-            layer_name=self._layer_names[pub.layer_idx],
+            layer_idx=state.wire_index[pub.layer_idx],
+            layer_name=state.layer_names[pub.layer_idx],
             read_reqs=read_reqs,
             done_ext_ids=done,
             group_member_idx=contributor.group_member_idx,
             tp_ratio=contributor.tp_ratio,
             seq=pub.seq if CAP_SEQ in caps else None,
-            lease_ms=_lease_ms_left(pub, now) if CAP_LEASE in caps else None,
+            lease_ms=lease_ms_left(pub, now) if CAP_LEASE in caps else None,
         )
 
-    def _resend(self, conn: _Conn, pubs: list[_Pub], now: float, out: list[Output]) -> None:
+    def resend(self, conn: Conn, pubs: list[Pub], now: float) -> None:
         """Send ``pubs`` again under their seqs, in order, if ``conn``'s peer has ``resend``
-        and the connection is ready; skip a live one whose lease has run out."""
+        and the connection is ready; the table says which (a live one whose lease has run
+        out is not)."""
         if CAP_RESEND not in conn.caps or conn.state != CONN_READY_V2:
             return
-        ctx = PubAt(now, out)
+        ctx = PubAt(now)
+        bounded = CAP_LEASE in conn.caps
         for pub in pubs:
-            if pub.state != PUB_HELD and CAP_LEASE in conn.caps and _lease_ms_left(pub, now) == 0:
-                continue  # the peer could start it after the lease timer reopened the storage
-            self._PUB.apply(self, pub, P_LOCAL_RESEND, ctx)
+            lapsed = bounded and lease_ms_left(pub, now) == 0
+            event = P_LOCAL_RESEND_LAPSED if lapsed else P_LOCAL_RESEND
+            self.TABLE.apply(self, pub, event, ctx)
 
-    def _fx_resend(self, pub: _Pub, ctx: PubAt) -> None:
+    def _fx_resend(self, pub: Pub, ctx: PubAt) -> None:
         """Sent again under the same seq (the peer answers a repeated seq from memory)."""
-        self.stats.resent += 1
-        ctx.out.append(Send(pub.conn.name, self._readiness(pub, ctx.now)))
+        self.state.stats.resent += 1
+        self.state.out.append(Send(pub.conn.name, self._readiness(pub, ctx.now)))
 
-    def _forget_seq(self, pub: _Pub) -> None:
+    def _forget_seq(self, pub: Pub) -> None:
         """Move a publication's seq from the wire map into the bounded history."""
         seq = pub.seq
         if seq is None:
@@ -138,14 +175,14 @@ class _Publications(_Handshakes, _Requests):
         conn = pub.conn
         del conn.sent[seq]
         pub.seq = None
-        limit = self.config.history
+        limit = self.state.config.history
         if limit:
             history = conn.history
             history[seq] = (pub.layer_idx, pub.state)
             if len(history) > limit:
                 history.popitem(last=False)
 
-    def _find(self, conn: _Conn, layer_idx: int, seq: int | None) -> _Pub | str | None:
+    def find(self, conn: Conn, layer_idx: int, seq: int | None) -> Pub | str | None:
         """The live publication a reply answers, else the state it ended in, else None."""
         if seq is not None and CAP_SEQ in conn.caps:
             pub = conn.sent.get(seq)
@@ -162,7 +199,9 @@ class _Publications(_Handshakes, _Requests):
                 return state
         return None
 
-    def _on_read_failed(self, conn: _Conn, msg: ReadFailed, now: float, out: list[Output]) -> None:
+    def on_read_failed(self, conn: Conn, msg: ReadFailed, now: float) -> None:
+        """A READ_FAILED from ``conn``: UNKNOWN_SESSION from a peer that reconnects (on a
+        connection that can hand-shake again) replays, anything else fails."""
         if (
             msg.code == ErrorCode.UNKNOWN_SESSION
             and CAP_RECONNECT in conn.caps
@@ -171,69 +210,73 @@ class _Publications(_Handshakes, _Requests):
             event = P_RECV_UNKNOWN_SESSION
         else:
             event = P_RECV_FAILED
-        self._on_reply(conn, msg.layer_idx, msg.seq, event, now, out, None, msg)
+        self.on_reply(conn, msg.layer_idx, msg.seq, event, now, None, msg)
 
-    def _on_reply(
+    def on_reply(
         self,
-        conn: _Conn,
+        conn: Conn,
         wire_layer: int,
         seq: int | None,
         event: Input[PubReply],
         now: float,
-        out: list[Output],
         failed: list[FailedRequest] | None = None,
         read_failed: ReadFailed | None = None,
     ) -> None:
-        position = self._position_of_wire.get(wire_layer, -1)  # -1: no layer of ours
-        found = self._find(conn, position, seq)
+        """A reply from ``conn``: matched to its publication, or counted."""
+        state = self.state
+        position = state.position_of_wire.get(wire_layer, -1)  # -1: no layer of ours
+        found = self.find(conn, position, seq)
         if found is None:
-            self.stats.unknown_replies += 1
+            state.stats.unknown_replies += 1
             return
-        ctx = PubReply(now, out, G_RECV_REPLY, G_RECV_LAST_REPLY, event, failed, read_failed)
+        ctx = PubReply(now, G_RECV_REPLY, G_RECV_LAST_REPLY, event, failed, read_failed)
         if isinstance(found, str):  # ended: the table says duplicate or stale
-            self._PUB.react(self, None, found, event, ctx, error=RemoteProtocolError)
+            self.TABLE.react(self, None, found, event, ctx, error=RemoteProtocolError)
             return
-        self.stats.replies += 1
-        self._PUB.apply(self, found, event, ctx, error=RemoteProtocolError)
+        state.stats.replies += 1
+        self.TABLE.apply(self, found, event, ctx, error=RemoteProtocolError)
 
     def _fx_count_duplicate(self, _pub: None, _ctx: PubReply) -> None:
         """A reply for a publication answered already (or superseded by a replay)."""
-        self.stats.duplicate_replies += 1
+        self.state.stats.duplicate_replies += 1
 
     def _fx_count_stale(self, _pub: None, _ctx: PubReply) -> None:
         """A reply for a publication that ended without one."""
-        self.stats.stale_replies += 1
+        self.state.stats.stale_replies += 1
 
     # The publication machine's other effects: (pub, ctx), ``ctx.one`` / ``ctx.last`` the
     # gate inputs by which ending it now counts it off its gates.
 
-    def _fx_release_held(self, pub: _Pub, ctx: PubEnd) -> None:
+    def _fx_release_held(self, pub: Pub, ctx: PubEnd) -> None:
         """Held or orphaned: its requests ended already; now its storage is free too."""
-        self._end_pub(pub, ctx.out, ctx.one, ctx.last)
+        self.end_pub(pub, ctx.one, ctx.last)
 
-    def _fx_requeue(self, pub: _Pub, ctx: PubAt) -> None:
+    def _fx_requeue(self, pub: Pub, ctx: PubAt) -> None:
         """The Decode lost our handshake, read nothing: replay after a new handshake."""
         self._forget_seq(pub)
-        self._CONN.apply(self, pub.conn, C_RECV_UNKNOWN_SESSION, ConnAt(ctx.now, ctx.out, pub))
+        conn_fx = self.conn_fx
+        conn_fx.TABLE.apply(conn_fx, pub.conn, C_RECV_UNKNOWN_SESSION, ConnAt(ctx.now, pub))
 
-    def _fx_done(self, pub: _Pub, ctx: PubReply) -> None:
+    def _fx_done(self, pub: Pub, ctx: PubReply) -> None:
         conn = pub.conn
-        ctx.out.append(LayerReplied(conn.name, pub.layer_idx, ctx.now - pub.sent_at, True))
+        state = self.state
+        state.out.append(LayerReplied(conn.name, pub.layer_idx, ctx.now - pub.sent_at, True))
         failed = ctx.failed
         isolated = {f.ext_req_id: f for f in failed} if failed else {}
         if isolated:
-            self.stats.isolated_failures += len(isolated)
-        self._fail_requests(pub, R_RECV_FAILURE, ErrorCode.UNKNOWN, "", isolated)
-        self._end_pub(pub, ctx.out, ctx.one, ctx.last)
+            state.stats.isolated_failures += len(isolated)
+        self.fail_requests(pub, R_RECV_FAILURE, ErrorCode.UNKNOWN, "", isolated)
+        self.end_pub(pub, ctx.one, ctx.last)
 
-    def _fx_fail(self, pub: _Pub, ctx: PubReply) -> None:
-        conn, now, out, read_failed = pub.conn, ctx.now, ctx.out, ctx.read_failed
+    def _fx_fail(self, pub: Pub, ctx: PubReply) -> None:
+        conn, now, read_failed = pub.conn, ctx.now, ctx.read_failed
         assert read_failed is not None  # RECV_FAILED and RECV_UNKNOWN_SESSION carry it
-        out.append(LayerReplied(conn.name, pub.layer_idx, now - pub.sent_at, False))
-        self.stats.read_failures += 1
+        state = self.state
+        state.out.append(LayerReplied(conn.name, pub.layer_idx, now - pub.sent_at, False))
+        state.stats.read_failures += 1
         code = _error_code(read_failed.code, ErrorCode.TRANSFER_FAILED)
         message = read_failed.error or f"read failed ({code.name})"
-        self._fail_requests(
+        self.fail_requests(
             pub,
             R_RECV_FAILURE,
             code,
@@ -242,17 +285,18 @@ class _Publications(_Handshakes, _Requests):
         )
         if ctx.event == P_RECV_UNKNOWN_SESSION:
             # The replay met an unknown session too: hand-shake again for later layers.
-            self._CONN.apply(self, conn, C_RECV_UNKNOWN_SESSION, ConnAt(now, out, None))
-        self._end_pub(pub, out, ctx.one, ctx.last)
+            conn_fx = self.conn_fx
+            conn_fx.TABLE.apply(conn_fx, conn, C_RECV_UNKNOWN_SESSION, ConnAt(now, None))
+        self.end_pub(pub, ctx.one, ctx.last)
 
-    def _fx_release(self, pub: _Pub, ctx: PubRelease) -> None:
+    def _fx_release(self, pub: Pub, ctx: PubRelease) -> None:
         """Never left (the handshake failed): nothing can read it, the gates reopen."""
-        self._fail_requests(pub, R_LOCAL_FAILURE, ctx.code, ctx.message, {})
-        self._end_pub(pub, ctx.out, ctx.one, ctx.last)
+        self.fail_requests(pub, R_LOCAL_FAILURE, ctx.code, ctx.message, {})
+        self.end_pub(pub, ctx.one, ctx.last)
 
-    def _fail_requests(
+    def fail_requests(
         self,
-        pub: _Pub,
+        pub: Pub,
         event: Input[ReqFailure],
         code: ErrorCode,
         message: str,
@@ -263,12 +307,13 @@ class _Publications(_Handshakes, _Requests):
         ``only`` empty and ``message`` empty means nothing failed.
         """
         failed_any = False
+        fail = self.req_fx.fail
         if only:
             for req in pub.requests:
                 entry = only.get(req.ext_id)
                 if entry is not None:
                     failed_any = True
-                    self._fail(
+                    fail(
                         req,
                         event,
                         _error_code(entry.code, ErrorCode.UNKNOWN),
@@ -278,35 +323,49 @@ class _Publications(_Handshakes, _Requests):
         elif message:
             failed_any = True
             for req in pub.requests:
-                self._fail(req, event, code, message)
-        if failed_any and self.config.read_failure_policy == "raise":
+                fail(req, event, code, message)
+        state = self.state
+        if failed_any and state.config.read_failure_policy == "raise":
             reason = message or f"requests failed on {pub.conn.name}"
             for s in pub.slots:
-                self._pending_raise.setdefault(s, reason)
+                state.pending_raise.setdefault(s, reason)
 
-    def _end_pub(self, pub: _Pub, out: list[Output], one: str, last: str) -> None:
+    def end_pub(self, pub: Pub, one: Input[int], last: Input[int]) -> None:
         """A publication ended: count it off its gates, then off its requests."""
         self._forget_seq(pub)
-        del self._pubs[pub.uid]
+        state = self.state
+        del state.pubs[pub.uid]
+        gates = state.gates
+        gate_fx = self.gate_fx
+        apply_gate = gate_fx.TABLE.apply
         for s in pub.slots:
-            gate = self._gates[s]
+            gate = gates[s]
             gate.outstanding -= 1
-            event = one if gate.outstanding else last
-            self._GATE.fire(self, gate, event, s, out)
-        self._drain_pub(pub, out)
+            apply_gate(gate_fx, gate, one if gate.outstanding else last, s)
+        self.drain_pub(pub)
 
-    def _fx_reopen(self, _gate: _Gate, slot: int, out: list[Output]) -> None:
-        out.append(GateOpened(slot))
-
-    def _drain_pub(self, pub: _Pub, out: list[Output]) -> None:
+    def drain_pub(self, pub: Pub) -> None:
+        """Count an ended (or held) publication off its requests, which may finish now."""
         requests, pub.requests = pub.requests, ()
         pub.read_reqs, pub.done_ids = [], []
+        maybe_drain = self.req_fx.maybe_drain
         for req in requests:
             req.outstanding -= 1
-            self._maybe_drain(req, out)
+            maybe_drain(req)
 
 
-def _lease_ms_left(pub: _Pub, now: float) -> int:
+class GateEffects(Effects):
+    """Effects of :data:`~rd2h_protocol.machines.producer.STORAGE_GATE`: (gate, slot)."""
+
+    __slots__ = ()
+
+    TABLE: ClassVar[BoundMachine]
+
+    def _fx_reopen(self, _gate: Gate, slot: int) -> None:
+        self.state.out.append(GateOpened(slot))
+
+
+def lease_ms_left(pub: Pub, now: float) -> int:
     """What is left of ``pub``'s lease, as a readiness carries it (0: run out)."""
     return max(0, int((pub.deadline - now) * 1000))
 
@@ -319,3 +378,29 @@ def _error_code(value: int | None, default: ErrorCode) -> ErrorCode:
         return ErrorCode(value)
     except ValueError:
         return default
+
+
+PublicationEffects.TABLE = LAYER_PUBLICATION.bind(
+    {
+        NO_EFFECT: no_effect,
+        EFFECT_SEND: PublicationEffects._fx_send,
+        EFFECT_REPLAY: PublicationEffects._fx_replay,
+        EFFECT_RESEND: PublicationEffects._fx_resend,
+        EFFECT_DONE: PublicationEffects._fx_done,
+        EFFECT_FAIL: PublicationEffects._fx_fail,
+        EFFECT_REQUEUE: PublicationEffects._fx_requeue,
+        EFFECT_RELEASE: PublicationEffects._fx_release,
+        EFFECT_RELEASE_HELD: PublicationEffects._fx_release_held,
+        EFFECT_COUNT_DUPLICATE: PublicationEffects._fx_count_duplicate,
+        EFFECT_COUNT_STALE: PublicationEffects._fx_count_stale,
+        EFFECT_LEASE_RAN_OUT: leases.fx_lease_ran_out,
+        EFFECT_EXPIRE_ABORT: leases.fx_expire_abort,
+        EFFECT_EXPIRE_UNSENT: leases.fx_expire_unsent,
+        EFFECT_EXPIRE_UNTOLD: leases.fx_expire_untold,
+        EFFECT_HOLD: leases.fx_hold,
+        EFFECT_ORPHAN_LEASE_RAN_OUT: leases.fx_orphan_lease_ran_out,
+        EFFECT_CHECK_SILENCE: dead_peers.fx_check_silence,
+        EFFECT_ORPHAN: dead_peers.fx_orphan,
+    }
+)
+GateEffects.TABLE = STORAGE_GATE.bind({NO_EFFECT: no_effect, EFFECT_REOPEN: GateEffects._fx_reopen})

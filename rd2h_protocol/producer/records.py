@@ -1,11 +1,13 @@
-"""The Prefill endpoint's private records: one per instance of a machine in
+"""The Prefill endpoint's records: one per instance of a machine in
 :mod:`rd2h_protocol.machines.producer`.
 
-A :class:`_Gate` per storage slot, a :class:`_Conn` per Decode endpoint (its handshake),
-a :class:`_Request` per Prefill request, a :class:`_Pub` per layer publication and a
-:class:`_Kept` per request kept for the Decode that will claim it (Prefill-first). Each
-record's ``state`` is the state of its machine; only the tables change it. The model
-checker snapshots these records field by field (:mod:`rd2h_protocol.checker`).
+A :class:`Gate` per storage slot, a :class:`Conn` per Decode endpoint (its handshake),
+a :class:`Request` per Prefill request, a :class:`Pub` per layer publication and a
+:class:`Kept` per request kept for the Decode that will claim it (Prefill-first). Each
+record's ``state`` is the state of its machine; only the tables change it. They are
+public to this package, the model checker (which snapshots them field by field,
+:mod:`rd2h_protocol.checker`) and tests; not to the runtime, which reads the endpoint's
+views.
 """
 
 from __future__ import annotations
@@ -20,13 +22,13 @@ from rd2h_protocol.wire.messages import ReadReq
 
 
 @dataclass(slots=True, eq=False)
-class _Gate:
+class Gate:
     state: str = GATE_OPEN
     outstanding: int = 0
 
 
 @dataclass(slots=True, eq=False)
-class _Conn:
+class Conn:
     name: str
     host: str
     port: int
@@ -36,8 +38,8 @@ class _Conn:
     connected: bool = False
     caps: frozenset[str] = frozenset()
     next_seq: int = 0
-    sent: dict[int, _Pub] = field(default_factory=dict)  # seq -> publication, send order
-    queue: list[_Pub] = field(default_factory=list)  # waiting for the handshake
+    sent: dict[int, Pub] = field(default_factory=dict)  # seq -> publication, send order
+    queue: list[Pub] = field(default_factory=list)  # waiting for the handshake
     pending_aborts: list[str] = field(default_factory=list)  # waiting for the handshake
     history: OrderedDict[int, tuple[int, str]] = field(default_factory=OrderedDict)
     handshake_token: int = -1
@@ -49,9 +51,9 @@ class _Conn:
 
 
 @dataclass(slots=True, eq=False)
-class _Request:
+class Request:
     ext_id: str
-    conn: _Conn
+    conn: Conn
     state: str
     outstanding: int = 0  # live publications that name this request
     chunk: ReadReq | None = None  # this step's blocks
@@ -61,14 +63,14 @@ class _Request:
 
 
 @dataclass(slots=True, eq=False)
-class _Pub:
+class Pub:
     uid: int
-    conn: _Conn
+    conn: Conn
     layer_idx: int
     slots: tuple[int, ...]
     read_reqs: list[ReadReq]
     done_ids: list[str]
-    requests: tuple[_Request, ...]
+    requests: tuple[Request, ...]
     deadline: float
     state: str = PUB_QUEUED
     seq: int | None = None  # key in conn.sent while on the wire
@@ -78,7 +80,7 @@ class _Pub:
 
 
 @dataclass(slots=True, eq=False)
-class _Kept:
+class Kept:
     ext_id: str
     uid: int  # its claim window's timer
     deadline: float  # the claim window ends

@@ -123,7 +123,7 @@ def test_an_accepted_claim_of_a_request_not_waiting_breaks_s1() -> None:
 
 def test_a_kept_request_never_finished_breaks_l1() -> None:
     world = computed_and_kept()
-    world.producers[0]._kept_timers.clear()  # as if its claim window were never armed
+    world.producers[0].state.kept_timers.clear()  # as if its claim window were never armed
     world.apply(("decode_add", "r0"))
     world.drop(claims(world)[0])
     world.settle()

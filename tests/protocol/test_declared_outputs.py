@@ -21,7 +21,13 @@ from rd2h_protocol.checker.configs import CONFIGS
 from rd2h_protocol.checker.explore import explore
 from rd2h_protocol.consumer import ConsumerEndpoint
 from rd2h_protocol.machines.declare import BoundMachine, MachineSpec
-from rd2h_protocol.producer import ProducerEndpoint
+from rd2h_protocol.producer.handshakes import ConnectionEffects
+from rd2h_protocol.producer.kept import KeptEffects
+from rd2h_protocol.producer.publications import GateEffects, PublicationEffects
+from rd2h_protocol.producer.requests import RequestEffects
+
+#: The Prefill side's effects objects, one per machine: each binds its machine's table.
+PRODUCER_EFFECTS = (RequestEffects, ConnectionEffects, PublicationEffects, GateEffects, KeptEffects)
 
 #: Every output type the endpoints can emit (what their ``Output`` unions name).
 OUTPUT_TYPES: tuple[type, ...] = tuple(
@@ -34,7 +40,7 @@ Seen = dict[tuple[str, str], set[str]]
 
 def _bound_machines() -> list[BoundMachine]:
     found: dict[int, BoundMachine] = {}
-    for cls in (ProducerEndpoint, ConsumerEndpoint):
+    for cls in (ConsumerEndpoint, *PRODUCER_EFFECTS):
         for klass in cls.__mro__:
             for value in vars(klass).values():
                 if isinstance(value, BoundMachine):

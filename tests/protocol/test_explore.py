@@ -43,6 +43,7 @@ from rd2h_protocol.machines.producer import (
 )
 from rd2h_protocol.producer import DecodeTarget, ProducerEndpoint
 from rd2h_protocol.producer import Output as ProducerOutput
+from rd2h_protocol.producer.publications import GateEffects
 from rd2h_protocol.wire.codec import encode
 from rd2h_protocol.wire.layout import (
     ComponentDest,
@@ -242,8 +243,8 @@ def plant_early_gate(monkeypatch: pytest.MonkeyPatch) -> None:
     decls.append({"trigger": G_RECV_REPLY, "source": GATE_OPEN, "dest": GATE_OPEN})
     decls.append({"trigger": G_RECV_LAST_REPLY, "source": GATE_OPEN, "dest": GATE_OPEN})
     planted = replace(STORAGE_GATE, transitions=tuple(decls))
-    # The endpoint fires the table its class binds to its handlers: bind the planted one.
-    monkeypatch.setattr(ProducerEndpoint, "_GATE", planted.bind(ProducerEndpoint._GATE.handlers))
+    # The gates' effects object fires the table its class binds: bind the planted one.
+    monkeypatch.setattr(GateEffects, "TABLE", planted.bind(GateEffects.TABLE.handlers))
 
 
 def plant_first_contributor_completes(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -271,9 +272,10 @@ def plant_claim_window_never_armed(monkeypatch: pytest.MonkeyPatch) -> None:
 
     def keep_request(self: ProducerEndpoint, ext_req_id: str, now: float) -> list[ProducerOutput]:
         out = keep(self, ext_req_id, now)
-        uid = self._kept[ext_req_id].uid
-        self._timers = [entry for entry in self._timers if entry[1] != uid]
-        heapq.heapify(self._timers)
+        state = self.state
+        uid = state.kept[ext_req_id].uid
+        state.timers = [entry for entry in state.timers if entry[1] != uid]
+        heapq.heapify(state.timers)
         return out
 
     monkeypatch.setattr(ProducerEndpoint, "keep_request", keep_request)
@@ -287,10 +289,10 @@ def plant_second_claim_accepted(monkeypatch: pytest.MonkeyPatch) -> None:
     def claim_again(
         self: ProducerEndpoint, ext_req_id: str, target: DecodeTarget, chunk: Chunk, now: float
     ) -> list[ProducerOutput]:
-        kept = self._kept.get(ext_req_id)
+        kept = self.state.kept.get(ext_req_id)
         if kept is not None and kept.state == "claimed":
             kept.state = "waiting"
-            self._kept_timers[kept.uid] = kept
+            self.state.kept_timers[kept.uid] = kept
         return claim(self, ext_req_id, target, chunk, now)
 
     monkeypatch.setattr(ProducerEndpoint, "claim", claim_again)

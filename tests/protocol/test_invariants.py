@@ -39,7 +39,7 @@ def _published() -> World:
 
 def _open_every_gate(world: World) -> None:
     """The broken state: Prefill's storage gates open while layer 0 is outstanding."""
-    for gate in world.producers[0]._gates.values():
+    for gate in world.producers[0].state.gates.values():
         gate.state = GATE_OPEN
 
 
@@ -73,9 +73,9 @@ def s1_read_broken() -> None:
     """The read check alone: a gate open (and counting nothing) under a pending read."""
     world = _published()
     _open_every_gate(world)
-    for gate in world.producers[0]._gates.values():
+    for gate in world.producers[0].state.gates.values():
         gate.outstanding = 0
-    world.producers[0]._pubs.clear()
+    world.producers[0].state.pubs.clear()
     check_storage_gates(world.ranks[0].session, world.producers[0])  # blind to the read
     _check_s1(world)
 

@@ -36,6 +36,7 @@ from rd2h_protocol.producer import (
     RequestFinished,
     Send,
 )
+from rd2h_protocol.producer.handshakes import ConnectionEffects
 from rd2h_protocol.wire.codec import decode, encode
 from rd2h_protocol.wire.layout import LayerLayout, decode_layer_metadata
 from rd2h_protocol.wire.messages import (
@@ -1552,7 +1553,7 @@ def test_input_no_table_allows_declares_the_peer_dead(monkeypatch: pytest.Monkey
         if not (d["trigger"] == C_RECV_ACK_V2 and d["source"] == CONN_READY_V2)
     )
     planted = replace(CONNECTION_HANDSHAKE, transitions=decls)
-    monkeypatch.setattr(ProducerEndpoint, "_CONN", planted.bind(ProducerEndpoint._CONN.handlers))
+    monkeypatch.setattr(ConnectionEffects, "TABLE", planted.bind(ConnectionEffects.TABLE.handlers))
     ep = endpoint(1)
     one_request_ready(ep)
     out = ep.receive(CONN, ack_v2(), 2.0)

@@ -135,10 +135,9 @@ def test_held_and_orphaned_publications_end_only_by_reply_abort_or_death_and_lea
 
 
 def test_connection_handshake_retries_and_resets() -> None:
-    assert CONNECTION_HANDSHAKE.step("refused", "LOCAL_PUBLISH_RETRY") == (
-        "send_meta",
-        "handshaking",
-    )
-    assert CONNECTION_HANDSHAKE.step("idle", "LOCAL_HELD_ABORTS") == ("send_meta", "handshaking")
+    # (retry: send_meta, counted as a retry)
+    assert CONNECTION_HANDSHAKE.step("refused", "LOCAL_PUBLISH") == ("retry", "handshaking")
+    assert CONNECTION_HANDSHAKE.step("refused", "LOCAL_PUBLISH_BACKOFF") == ("release", "refused")
+    assert CONNECTION_HANDSHAKE.step("idle", "LOCAL_HELD_ABORTS") == ("retry", "handshaking")
     for state in CONNECTION_HANDSHAKE.states:
         assert CONNECTION_HANDSHAKE.step(state, "LOCAL_CONNECTION_LOST") == ("reset", "idle")

@@ -10,7 +10,10 @@ import pytest
 
 from rd2h_protocol.machines.declare import NO_EFFECT, BoundMachine, Input, no_effect
 from rd2h_protocol.machines.producer import P_SEND_READINESS
-from rd2h_protocol.producer import ProducerEndpoint
+from rd2h_protocol.producer.handshakes import ConnectionEffects
+from rd2h_protocol.producer.kept import KeptEffects
+from rd2h_protocol.producer.publications import GateEffects, PublicationEffects
+from rd2h_protocol.producer.requests import RequestEffects
 
 
 def test_input_is_its_name_at_run_time() -> None:
@@ -20,10 +23,11 @@ def test_input_is_its_name_at_run_time() -> None:
 
 #: The machines moved to typed inputs so far.
 TYPED: tuple[BoundMachine, ...] = (
-    ProducerEndpoint._PUB,
-    ProducerEndpoint._CONN,
-    ProducerEndpoint._REQUEST,
-    ProducerEndpoint._KEPT,
+    PublicationEffects.TABLE,
+    ConnectionEffects.TABLE,
+    RequestEffects.TABLE,
+    KeptEffects.TABLE,
+    GateEffects.TABLE,
 )
 
 
