@@ -1,15 +1,24 @@
-"""A batched read's outcomes: done signals counted after success, retry, failure."""
+"""The readiness machine's effects, and a batched read's outcomes: done signals counted
+after success, retry, failure."""
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, ClassVar
 
 from rd2h_protocol.completion import EFFECT_IGNORE_DUPLICATE
-from rd2h_protocol.consumer.records import _Readiness
-from rd2h_protocol.consumer.replies import _Replies
+from rd2h_protocol.consumer.records import ReadinessRecord
+from rd2h_protocol.consumer.state import ConsumerState
 from rd2h_protocol.errors import ErrorCode, TransferError
 from rd2h_protocol.events import StartRead
 from rd2h_protocol.machines.consumer import (
+    DECODE_READINESS,
+    EFFECT_PARK,
+    EFFECT_PROCESS,
+    EFFECT_REPLY_DONE,
+    EFFECT_REPLY_FAILED,
+    EFFECT_START_READ,
     M_LOCAL_READ_FAILED,
     M_LOCAL_READ_OK,
     M_LOCAL_READ_RETRY,
@@ -18,49 +27,86 @@ from rd2h_protocol.machines.consumer import (
     R_LOCAL_READ_OK,
     REQ_RECEIVING,
 )
+from rd2h_protocol.machines.declare import BoundMachine
 from rd2h_protocol.wire.readiness import unique_ids
 
+if TYPE_CHECKING:
+    from rd2h_protocol.consumer.parking import Parking
+    from rd2h_protocol.consumer.replies import Replies
+    from rd2h_protocol.consumer.requests import RequestEffects
+    from rd2h_protocol.consumer.serving import Serving
 
-class _ReadOutcomes(_Replies):
-    """What a :class:`StartRead` leads to, and what its end does."""
 
-    # The readiness machine's START_READ effect.
+class ReadinessEffects:
+    """What happens to a readiness when its machine moves (see ``DECODE_READINESS``; the
+    owner its table's handlers run on), what a :class:`StartRead` leads to, and what its
+    end does."""
 
-    def _fx_start_read(self, rd: _Readiness) -> None:
+    __slots__ = ("parking", "replies", "request", "serving", "state")
+
+    #: ``DECODE_READINESS`` bound to this class's handlers (set below the class).
+    TABLE: ClassVar[BoundMachine]
+
+    parking: Parking
+    replies: Replies
+    request: RequestEffects
+    serving: Serving
+
+    def __init__(self, state: ConsumerState) -> None:
+        self.state = state
+
+    # The readiness machine's effects.
+
+    def fx_park(self, rd: ReadinessRecord, packed: bytes | None, missing: Iterable[str]) -> None:
+        self.parking.park_readiness(rd, packed, missing)
+
+    def fx_process(self, rd: ReadinessRecord, now: float) -> None:
+        """Out of the park: serve it now, its still-unknown requests isolated."""
+        self.serving.serve(rd, now, allow_park=False)
+
+    def fx_start_read(self, rd: ReadinessRecord) -> None:
         assert rd.plan is not None
-        self._out.append(StartRead(rd.plan, rd.start_by, rd.finish_by))
+        self.state.out.append(StartRead(rd.plan, rd.start_by, rd.finish_by))
 
-    def _read_succeeded(self, rd: _Readiness, now: float) -> None:
-        self._READINESS.fire(self, rd, M_LOCAL_READ_OK)
+    def fx_reply_done(self, rd: ReadinessRecord) -> None:
+        self.replies.reply_done(rd)
+
+    def fx_reply_failed(self, rd: ReadinessRecord, code: ErrorCode, text: str) -> None:
+        self.replies.reply_failed(rd, code, text)
+
+    def read_succeeded(self, rd: ReadinessRecord, now: float) -> None:
+        self.TABLE.fire(self, rd, M_LOCAL_READ_OK)
         for req in rd.in_plan:
             req.in_flight -= 1
-        self._REQUEST.fire_batch(self, rd.in_plan, R_LOCAL_READ_OK, now)
-        self._count_done(rd, now)
-        self._release_quiescent(rd.in_plan, now)
+        request = self.request
+        request.TABLE.fire_batch(request, rd.in_plan, R_LOCAL_READ_OK, now)
+        self.count_done(rd, now)
+        self.request.release_quiescent(rd.in_plan, now)
 
-    def _count_done(self, rd: _Readiness, now: float) -> None:
+    def count_done(self, rd: ReadinessRecord, now: float) -> None:
         """After the done reply: count the message's done signals, complete what can."""
         msg = rd.msg
         if msg.done_ext_ids:  # (the last layer's: the others carry none)
+            requests = self.state.requests
             accepted = {req.ext_id: req for req in rd.accepted}
             for ext in unique_ids(msg.done_ext_ids):
                 req = accepted.get(ext)
-                if req is None or req.state != REQ_RECEIVING or self._requests.get(ext) is not req:
+                if req is None or req.state != REQ_RECEIVING or requests.get(ext) is not req:
                     continue
                 assert req.contributors is not None
                 if req.contributors.report(msg.group_member_idx) == EFFECT_IGNORE_DUPLICATE:
-                    self.stats.duplicate_done += 1
+                    self.state.stats.duplicate_done += 1
         for req in rd.accepted:
             if (
                 req.state == REQ_RECEIVING
                 and req.in_flight == 0
                 and req.contributors is not None
                 and req.contributors.complete
-                and not self._named_by_parked(req.ext_id)
+                and not self.parking.named_by_parked(req.ext_id)
             ):
-                self._request_event(req, R_LOCAL_ALL_DONE, now)
+                self.request.event(req, R_LOCAL_ALL_DONE, now)
 
-    def _may_retry(self, rd: _Readiness, error: TransferError, now: float) -> bool:
+    def may_retry(self, rd: ReadinessRecord, error: TransferError, now: float) -> bool:
         return (
             error.transient
             and error.code != ErrorCode.LEASE_EXPIRED
@@ -69,17 +115,18 @@ class _ReadOutcomes(_Replies):
             and any(req.state == REQ_RECEIVING for req in rd.in_plan)
         )
 
-    def _retry(self, rd: _Readiness, now: float) -> None:
+    def retry(self, rd: ReadinessRecord, now: float) -> None:
         """Start the read again for the requests still receiving."""
         assert rd.plan is not None
         keep = [req for req in rd.in_plan if req.state == REQ_RECEIVING]
         gone = [req for req in rd.in_plan if req.state != REQ_RECEIVING]
         for req in gone:
             req.in_flight -= 1
-        self._release_quiescent(gone, now)
+        self.request.release_quiescent(gone, now)
         kept = {req.ext_id for req in keep}
-        read_id = self._next_read_id
-        self._next_read_id += 1
+        state = self.state
+        read_id = state.next_read_id
+        state.next_read_id += 1
         rd.plan = dataclasses.replace(
             rd.plan,
             read_id=read_id,
@@ -87,24 +134,35 @@ class _ReadOutcomes(_Replies):
         )
         rd.in_plan = keep
         rd.retries_left -= 1
-        self._reads[read_id] = rd
-        self.stats.read_retries += 1
-        self._READINESS.fire(self, rd, M_LOCAL_READ_RETRY)
+        state.reads[read_id] = rd
+        state.stats.read_retries += 1
+        self.TABLE.fire(self, rd, M_LOCAL_READ_RETRY)
 
-    def _read_failed(self, rd: _Readiness, error: TransferError, now: float) -> None:
-        self.stats.reads_failed += 1
+    def read_failed(self, rd: ReadinessRecord, error: TransferError, now: float) -> None:
+        self.state.stats.reads_failed += 1
         code = error.code
         if code == ErrorCode.LEASE_EXPIRED:
-            self.stats.expired_leases += 1
+            self.state.stats.expired_leases += 1
         text = f"batched read failed: {error.message}"
         if error.backend_code is not None:
             text += f" (backend code {error.backend_code})"
-        self._READINESS.fire(self, rd, M_LOCAL_READ_FAILED, code, text)
+        self.TABLE.fire(self, rd, M_LOCAL_READ_FAILED, code, text)
         for req in rd.in_plan:
             req.in_flight -= 1
         for req in rd.accepted:
             # A request may have been released while this read was in flight: a retry left
             # it out, or it had no share in the read. It is gone; leave it alone.
-            if self._requests.get(req.ext_id) is req:
-                self._request_event(req, R_LOCAL_FAIL, now, code, text)
-        self._release_quiescent(rd.in_plan, now)
+            if self.state.requests.get(req.ext_id) is req:
+                self.request.event(req, R_LOCAL_FAIL, now, code, text)
+        self.request.release_quiescent(rd.in_plan, now)
+
+
+ReadinessEffects.TABLE = DECODE_READINESS.bind(
+    {
+        EFFECT_PARK: ReadinessEffects.fx_park,
+        EFFECT_PROCESS: ReadinessEffects.fx_process,
+        EFFECT_START_READ: ReadinessEffects.fx_start_read,
+        EFFECT_REPLY_DONE: ReadinessEffects.fx_reply_done,
+        EFFECT_REPLY_FAILED: ReadinessEffects.fx_reply_failed,
+    }
+)

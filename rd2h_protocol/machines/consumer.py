@@ -51,15 +51,15 @@ from rd2h_protocol.machines.declare import NO_EFFECT, Guard, MachineSpec, check_
 GUARDS: Final[dict[str, Guard]] = {
     "all_contributors_reported": Guard(
         "every contributor's final-layer done signal was counted",
-        "ConsumerEndpoint._count_done (ContributorSet.complete)",
+        "ReadinessEffects.count_done (ContributorSet.complete)",
     ),
     "no_read_in_flight": Guard(
         "no read that writes the request's blocks is in flight (in_flight == 0)",
-        "ConsumerEndpoint._count_done, .release, ._release_quiescent",
+        "ReadinessEffects.count_done, ConsumerEndpoint.release, RequestEffects.release_quiescent",
     ),
     "no_parked_readiness_names_it": Guard(
         "no parked readiness names the request (its blocks are not all read yet)",
-        "ConsumerEndpoint._named_by_parked",
+        "Parking.named_by_parked",
     ),
     "read_in_flight": Guard(
         "a read that writes the request's blocks is in flight (in_flight > 0)",
@@ -67,29 +67,27 @@ GUARDS: Final[dict[str, Guard]] = {
     ),
     "requests_unknown": Guard(
         "the readiness names requests this rank neither holds nor retired",
-        "ConsumerEndpoint._serve (allow_park)",
+        "Serving.serve (allow_park)",
     ),
     "park_has_room": Guard(
         "the park has room: max_parked, max_parked_bytes(_per_session)",
-        "ConsumerEndpoint._park_has_room",
+        "Parking.park_has_room",
     ),
     "requests_known": Guard(
         "every request the parked readiness waited for arrived or retired",
-        "ConsumerEndpoint._resolve_waiting",
+        "Parking.resolve_waiting",
     ),
     "lease_leaves_half": Guard(
         "at least half of lease_ms is left since the readiness arrived (start_by)",
-        "ConsumerEndpoint._serve, ._may_retry",
+        "Serving.serve, ReadinessEffects.may_retry",
     ),
-    "transient_error": Guard(
-        "the read's TransferError is transient", "ConsumerEndpoint._may_retry"
-    ),
+    "transient_error": Guard("the read's TransferError is transient", "ReadinessEffects.may_retry"),
     "error_not_lease_expired": Guard(
-        "the read's error is not LEASE_EXPIRED", "ConsumerEndpoint._may_retry"
+        "the read's error is not LEASE_EXPIRED", "ReadinessEffects.may_retry"
     ),
-    "retries_left": Guard("max_read_retries not used up", "ConsumerEndpoint._may_retry"),
+    "retries_left": Guard("max_read_retries not used up", "ReadinessEffects.may_retry"),
     "a_request_still_receiving": Guard(
-        "a request of the read is still receiving", "ConsumerEndpoint._may_retry"
+        "a request of the read is still receiving", "ReadinessEffects.may_retry"
     ),
     **COMPLETION_GUARDS,
 }
