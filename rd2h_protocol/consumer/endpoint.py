@@ -32,6 +32,7 @@ from rd2h_protocol.machines.consumer import (
     SESSION_V1,
     SESSION_V2,
 )
+from rd2h_protocol.machines.consumer_inputs import RdAt, ReqAt, ReqEnd
 from rd2h_protocol.machines.declare import BoundMachine
 from rd2h_protocol.wire.messages import (
     CAP_ABORT,
@@ -137,7 +138,7 @@ class ConsumerEndpoint:
         request.parking, request.serving = parking, serving
         replies.budgets, replies.request, replies.readiness = budgets, request, readiness
         readiness.parking, readiness.replies = parking, replies
-        readiness.request, readiness.serving = request, serving
+        readiness.request, readiness.serving, readiness.sessions = request, serving, session
         serving.budgets, serving.parking, serving.replies = budgets, parking, replies
         serving.request, serving.readiness = request, readiness
         session.budgets, session.parking, session.replies = budgets, parking, replies
@@ -222,7 +223,7 @@ class ConsumerEndpoint:
             self.parking.unpark(item)
             state.stats.park_expired += 1
             if isinstance(item, ReadinessRecord):
-                readiness.TABLE.fire(readiness, item, M_TIMER_PARK_EXPIRED, now)
+                readiness.TABLE.apply(readiness, item, M_TIMER_PARK_EXPIRED, RdAt(now))
         deadlines = state.deadlines
         while deadlines:
             ext, deadline = next(iter(deadlines.items()))
@@ -230,13 +231,8 @@ class ConsumerEndpoint:
                 break
             req = state.requests[ext]
             state.stats.load_timeouts += 1
-            self.requests_fx.event(
-                req,
-                R_TIMER_LOAD_TIMEOUT,
-                now,
-                ErrorCode.TIMEOUT,
-                f"no KV progress for {state.config.kv_load_timeout_s} s",
-            )
+            text = f"no KV progress for {state.config.kv_load_timeout_s} s"
+            self.requests_fx.apply(req, R_TIMER_LOAD_TIMEOUT, ReqEnd(now, ErrorCode.TIMEOUT, text))
         return self._flush()
 
     # -- local inputs ----------------------------------------------------------------------
@@ -277,7 +273,7 @@ class ConsumerEndpoint:
         request = self.requests_fx
         request.touch((req,), now)
         if advertised:
-            request.event(req, R_LOCAL_ADVERTISE, now)
+            request.apply(req, R_LOCAL_ADVERTISE, ReqAt(now))
         self.parking.resolve_waiting(ext_req_id, now)
         return self._flush()
 
@@ -285,7 +281,7 @@ class ConsumerEndpoint:
         """The request's rendezvous was posted (for ``add_request(advertised=False)``)."""
         request = self.requests_fx
         req = request.known(ext_req_id)
-        request.event(req, R_LOCAL_ADVERTISE, now)
+        request.apply(req, R_LOCAL_ADVERTISE, ReqAt(now))
         request.touch((req,), now)
         return self._flush()
 
@@ -295,13 +291,13 @@ class ConsumerEndpoint:
         Ids this rank does not hold are remembered as retired, so readiness for them is
         refused instead of parked.
         """
-        requests = self.state.requests
+        requests, ctx = self.state.requests, ReqEnd(now, ErrorCode.ABORTED, reason)
         for ext in unique_ids(ext_ids):
             req = requests.get(ext)
             if req is None:
                 self.parking.retire(ext, now)
             else:
-                self.requests_fx.event(req, R_LOCAL_ABORT, now, ErrorCode.ABORTED, reason)
+                self.requests_fx.apply(req, R_LOCAL_ABORT, ctx)
         return self._flush()
 
     def release(self, ext_req_id: str, now: float) -> list[Output]:
@@ -318,9 +314,8 @@ class ConsumerEndpoint:
             self.state.out.append(Releasable(ext_req_id))
         else:
             event = R_LOCAL_RELEASE if req.in_flight == 0 else R_LOCAL_RELEASE_BUSY
-            self.requests_fx.event(
-                req, event, now, ErrorCode.ABORTED, "released by vLLM before its KV arrived"
-            )
+            text = "released by vLLM before its KV arrived"
+            self.requests_fx.apply(req, event, ReqEnd(now, ErrorCode.ABORTED, text))
         return self._flush()
 
     def read_finished(self, read_id: int, error: TransferError | None, now: float) -> list[Output]:

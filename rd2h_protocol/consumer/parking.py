@@ -32,6 +32,7 @@ from rd2h_protocol.consumer.records import Parked, ParkedAbort, ReadinessRecord
 from rd2h_protocol.consumer.state import ConsumerState
 from rd2h_protocol.errors import ErrorCode
 from rd2h_protocol.machines.consumer import M_LOCAL_UNPARK, R_RECV_ABORT
+from rd2h_protocol.machines.consumer_inputs import RdAt, ReqEnd
 from rd2h_protocol.wire.readiness import message_ids, pack_entries, unpack_entries
 
 if TYPE_CHECKING:
@@ -191,15 +192,14 @@ class Parking:
             if isinstance(item, ParkedAbort):
                 req = self.state.requests.get(ext)
                 if req is not None:
-                    self.request.event(
-                        req, R_RECV_ABORT, now, ErrorCode.ABORTED, item.reason, exclude=item.session
-                    )
+                    ctx = ReqEnd(now, ErrorCode.ABORTED, item.reason, item.session)
+                    self.request.apply(req, R_RECV_ABORT, ctx)
                 if not item.left:
                     self.unpark(item)
             elif not item.left:
                 self.unpark(item)
                 readiness = self.readiness
-                readiness.TABLE.fire(readiness, item, M_LOCAL_UNPARK, now)
+                readiness.TABLE.apply(readiness, item, M_LOCAL_UNPARK, RdAt(now))
 
     def retire(self, ext: str, now: float) -> None:
         """Remember ``ext`` as finished here: readiness for it is refused, not parked."""

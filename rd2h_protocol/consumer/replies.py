@@ -14,6 +14,7 @@ from rd2h_protocol.consumer.state import ConsumerState
 from rd2h_protocol.errors import ErrorCode
 from rd2h_protocol.events import Reply
 from rd2h_protocol.machines.consumer import M_LOCAL_REFUSE
+from rd2h_protocol.machines.consumer_inputs import RdFailure
 from rd2h_protocol.wire.messages import (
     CAP_ISOLATE,
     MAX_FRAME_BYTES,
@@ -107,7 +108,7 @@ class Replies:
     ) -> None:
         """Fail the whole readiness: reply read_failed, fail every known request it names."""
         readiness = self.readiness
-        readiness.TABLE.fire(readiness, rd, M_LOCAL_REFUSE, code, text)
+        readiness.TABLE.apply(readiness, rd, M_LOCAL_REFUSE, RdFailure(code, text))
         self.state.stats.layer_failures += 1
         if fail_known:
             self.request.fail_known(message_ids(rd.msg), now, code, text)

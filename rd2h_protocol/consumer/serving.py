@@ -8,7 +8,7 @@ operation in :mod:`rd2h_protocol.consumer`.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 from rd2h_protocol.completion import ContributorSet
@@ -23,11 +23,8 @@ from rd2h_protocol.machines.consumer import (
     M_LOCAL_START_READ,
     R_LOCAL_FAIL,
     R_RECV_READINESS,
-    REQ_ABORTED,
-    REQ_DONE,
-    REQ_RELEASE_PENDING,
-    SESSION_READY,
 )
+from rd2h_protocol.machines.consumer_inputs import RdPark, ReqEnd, ReqReadiness
 from rd2h_protocol.plan import ComponentAddrs, ReadPlan, RequestRead
 from rd2h_protocol.topology import indexer_share, main_share
 from rd2h_protocol.wire.layout import (
@@ -76,7 +73,7 @@ def _part(ids: Sequence[int], start: int, end: int) -> Sequence[int]:
     return ids if start == 0 and end == len(ids) else ids[start:end]
 
 
-class _ShareRule(NamedTuple):
+class ShareRule(NamedTuple):
     """What :meth:`Serving._share` decides once per readiness, not per request: with the
     entry and the request, all a share depends on (the layer's name is only quoted)."""
 
@@ -103,18 +100,13 @@ class Serving:
     def __init__(self, state: ConsumerState) -> None:
         self.state = state
 
-    def serve(self, rd: ReadinessRecord, now: float, *, allow_park: bool) -> None:
-        """Serve one readiness (received, or leaving the park)."""
+    def serve(
+        self, rd: ReadinessRecord, session: SessionRecord, now: float, *, allow_park: bool
+    ) -> None:
+        """Serve one readiness (received, or leaving the park) of ``session``, ready (the
+        session machine's rows see to it: ``RECV_READINESS``, ``LOCAL_UNPARKED``)."""
         msg = rd.msg
         state = self.state
-        session = state.sessions.get(rd.session)
-        if session is None:  # only after parking: the session was forgotten meanwhile
-            self.replies.refuse(rd, now, ErrorCode.UNKNOWN_SESSION, "the Prefill session is gone")
-            return
-        if session.state not in SESSION_READY:  # only after parking: a new handshake failed
-            code, text = session.refusal
-            self.replies.refuse(rd, now, code, f"handshake refused: {text}")
-            return
         rd.caps = session.caps
         local_name = msg.layer_name
         known = state.by_name.get(local_name)
@@ -173,7 +165,7 @@ class Serving:
                     rd.deadline = min(rd.deadline, rd.start_by)
                 if parking.park_has_room(rd):
                     readiness = self.readiness
-                    readiness.TABLE.fire(readiness, rd, M_LOCAL_PARK, packed, missing)
+                    readiness.TABLE.apply(readiness, rd, M_LOCAL_PARK, RdPark(packed, missing))
                     return
                 rd.names, rd.left = (), 0
                 if len(missing) == len(named):
@@ -225,7 +217,7 @@ class Serving:
         kept = state.entry_cache.get(rd.session)
         shares = kept.shares if kept is not None and kept.entries is msg.read_reqs else None
         rule = self._share_rule(rd, src, indexer)
-        context = (rd, entry_of, twice, rule, shares, now, reads)
+        ctx = ReqReadiness(rd, entry_of, twice, rule, shares, now, reads)
         found = list(map(state.requests.get, ids))
         request = self.request
         table = request.TABLE
@@ -236,15 +228,15 @@ class Serving:
                 if req is not None:
                     run.append(req)
                     continue
-                table.fire_batch(request, run, R_RECV_READINESS, *context)
+                table.apply_batch(request, run, R_RECV_READINESS, ctx)
                 run = []
-                self._isolate(rd, ext, ErrorCode.UNKNOWN_REQUEST, "unknown request")
-            table.fire_batch(request, run, R_RECV_READINESS, *context)
+                self.isolate(rd, ext, ErrorCode.UNKNOWN_REQUEST, "unknown request")
+            table.apply_batch(request, run, R_RECV_READINESS, ctx)
         else:
-            table.fire_batch(request, found, R_RECV_READINESS, *context)
+            table.apply_batch(request, found, R_RECV_READINESS, ctx)
         if not reads:
             readiness = self.readiness
-            readiness.TABLE.fire(readiness, rd, M_LOCAL_NOTHING_TO_READ)
+            readiness.TABLE.apply(readiness, rd, M_LOCAL_NOTHING_TO_READ, None)
             readiness.count_done(rd, now)
             return
         read_id = state.next_read_id
@@ -256,11 +248,11 @@ class Serving:
         state.reads[read_id] = rd
         state.stats.reads_started += 1
         readiness = self.readiness
-        readiness.TABLE.fire(readiness, rd, M_LOCAL_START_READ)
+        readiness.TABLE.apply(readiness, rd, M_LOCAL_START_READ, None)
 
     def _share_rule(
         self, rd: ReadinessRecord, src: LayerLayout, indexer: tuple[ComponentAddrs, ...]
-    ) -> _ShareRule:
+    ) -> ShareRule:
         """How every entry of this readiness is shared: whole (one Decode rank and one
         contributor, the usual shape: no split per request), and whether Prefill's ids
         still need checking against ``num_blocks`` (not when the bounded decode proved
@@ -270,9 +262,9 @@ class Serving:
         if num_blocks is not None and rd.ids_below is not None and rd.ids_below <= num_blocks:
             num_blocks = None  # every Prefill id of the message is below it: checked already
         whole = (cfg.d_tp == 1 or not cfg.main_shared) and msg.tp_ratio == 1
-        return _ShareRule(whole, num_blocks, bool(indexer), msg.group_member_idx, msg.tp_ratio)
+        return ShareRule(whole, num_blocks, bool(indexer), msg.group_member_idx, msg.tp_ratio)
 
-    def _share(self, req: RequestRecord, rr: ReadReq, rule: _ShareRule, layer: str) -> RequestRead:
+    def _share(self, req: RequestRecord, rr: ReadReq, rule: ShareRule, layer: str) -> RequestRead:
         """This rank's blocks of one readiness entry, mapped to the request's own ids
         (``layer``: the layer's name, for the errors).
 
@@ -317,40 +309,21 @@ class Serving:
                 _check_source(layer, "indexer", idx_src, num_blocks)
         return RequestRead(req.ext_id, main_src, main_dst, idx_src, idx_dst)
 
-    def _not_waiting(self, req: RequestRecord) -> tuple[ErrorCode, str]:
-        """Why readiness for a request that stopped waiting is refused."""
-        if req.state == REQ_DONE:
-            return ErrorCode.UNKNOWN_REQUEST, "the request already completed on this rank"
-        if req.state == REQ_ABORTED:
-            return ErrorCode.ABORTED, "the request was aborted"
-        if req.state == REQ_RELEASE_PENDING:
-            return ErrorCode.ABORTED, "the request was released"
-        return req.fail_code, f"the request already failed: {req.fail_message}"
-
-    def _isolate(self, rd: ReadinessRecord, ext: str, code: ErrorCode, text: str) -> None:
+    def isolate(self, rd: ReadinessRecord, ext: str, code: ErrorCode, text: str) -> None:
         self.state.stats.isolated_requests += 1
         rd.isolated.append(FailedRequest(ext, int(code), clip(text)))
 
     # The request machine's RECV_READINESS effects (a batched input, see
-    # RequestEffects.fx_accept): (reqs, rd, entry_of, twice, rule, shares, now, reads),
-    # ``reqs`` a run of the readiness's requests in one state.
+    # RequestEffects.fx_accept), ``reqs`` a run of the readiness's requests in one state.
 
-    def isolate_run(self, reqs: Sequence[RequestRecord], rd: ReadinessRecord) -> None:
+    def isolate_run(
+        self, reqs: Sequence[RequestRecord], rd: ReadinessRecord, code: ErrorCode, text: str
+    ) -> None:
         """The requests stopped waiting: leave them out of the read, report each alone."""
         for req in reqs:
-            self._isolate(rd, req.ext_id, *self._not_waiting(req))
+            self.isolate(rd, req.ext_id, code, text)
 
-    def accept(
-        self,
-        reqs: Sequence[RequestRecord],
-        rd: ReadinessRecord,
-        entry_of: Mapping[str, ReadReq],
-        twice: set[str],
-        rule: _ShareRule,
-        shares: dict[str, tuple[ReadReq, RequestRecord, object, RequestRead]] | None,
-        now: float,
-        reads: list[RequestRead],
-    ) -> None:
+    def accept(self, reqs: Sequence[RequestRecord], ctx: ReqReadiness) -> None:
         """Take the readiness for each request: its entry (``entry_of``; none for a done id
         alone) must be sound (named once, the same ``tp_ratio``, a destination range that
         fits, source ids within the layout), else the request is isolated and fails
@@ -360,6 +333,8 @@ class Serving:
         each reused while it stands for the same entry, request and rule (then its checks
         passed on these very inputs), else worked out and kept.
         """
+        rd, entry_of, twice, rule, shares = ctx.rd, ctx.entry_of, ctx.twice, ctx.rule, ctx.shares
+        now, reads = ctx.now, ctx.reads
         ratio, layer = rule.tp_ratio, rd.msg.layer_name
         accepted: list[RequestRecord] = []
         for req in reqs:
@@ -380,8 +355,8 @@ class Serving:
                     if shares is not None:
                         shares[ext] = (entry, req, rule, read)
             except ProtocolError as exc:
-                self._isolate(rd, ext, exc.code, exc.message)
-                self.request.event(req, R_LOCAL_FAIL, now, exc.code, exc.message)
+                self.isolate(rd, ext, exc.code, exc.message)
+                self.request.apply(req, R_LOCAL_FAIL, ReqEnd(now, exc.code, exc.message))
                 continue
             accepted.append(req)
             if read is not None and (read.main_src or read.indexer_src):

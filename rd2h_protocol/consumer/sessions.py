@@ -30,8 +30,10 @@ from rd2h_protocol.machines.consumer import (
     EFFECT_REFUSE_V1,
     EFFECT_REFUSE_V2,
     EFFECT_REPLY_REFUSED,
+    EFFECT_REPLY_SESSION_GONE,
     EFFECT_REPLY_UNKNOWN_SESSION,
     EFFECT_SERVE,
+    EFFECT_SERVE_UNPARKED,
     R_RECV_ABORT,
     S_RECV_ABORT,
     S_RECV_MF_META_BAD_V1,
@@ -41,6 +43,7 @@ from rd2h_protocol.machines.consumer import (
     S_RECV_READINESS,
     SESSION_UNBOUND,
 )
+from rd2h_protocol.machines.consumer_inputs import ReqEnd, SessAbort, SessHandshake, SessReadiness
 from rd2h_protocol.machines.declare import BoundMachine
 from rd2h_protocol.wire.layout import LayerLayout, decode_layer_metadata
 from rd2h_protocol.wire.messages import (
@@ -113,7 +116,8 @@ class SessionEffects:
         else:
             event = S_RECV_MF_META_BAD_V2 if v2 else S_RECV_MF_META_BAD_V1
         session = self.bind(peer, msg.p_session)
-        self.TABLE.fire(self, session, event, peer, msg, layers, error, error=RemoteProtocolError)
+        ctx = SessHandshake(peer, msg, layers, error)
+        self.TABLE.apply(self, session, event, ctx, error=RemoteProtocolError)
 
     # The session machine's MF_META effects: (session, peer, msg, layers, refusal).
 
@@ -137,55 +141,29 @@ class SessionEffects:
         session.caps = frozenset(msg.capabilities or ()) & self.state.caps if v2 else frozenset()
         session.next_seq = msg.first_seq if v2 else None
 
-    def fx_ack_v1(
-        self,
-        session: SessionRecord,
-        peer: bytes,
-        msg: MfMeta,
-        layers: dict[str, LayerLayout],
-        _refusal: None,
-    ) -> None:
-        self.install_handshake(session, msg, layers)
+    def fx_ack_v1(self, session: SessionRecord, ctx: SessHandshake) -> None:
+        self.install_handshake(session, ctx.msg, ctx.layers)
         self.state.stats.handshakes += 1
-        self.state.out.append(Reply(peer, Ack(kind=TAG_ACK_V1)))
+        self.state.out.append(Reply(ctx.peer, Ack(kind=TAG_ACK_V1)))
 
-    def fx_ack_v2(
-        self,
-        session: SessionRecord,
-        peer: bytes,
-        msg: MfMeta,
-        layers: dict[str, LayerLayout],
-        _refusal: None,
-    ) -> None:
-        self.install_handshake(session, msg, layers)
+    def fx_ack_v2(self, session: SessionRecord, ctx: SessHandshake) -> None:
+        self.install_handshake(session, ctx.msg, ctx.layers)
         self.state.stats.handshakes += 1
-        self.state.out.append(Reply(peer, self._ack()))
+        self.state.out.append(Reply(ctx.peer, self._ack()))
 
-    def fx_refuse_v1(
-        self,
-        session: SessionRecord,
-        peer: bytes,
-        msg: MfMeta,
-        layers: dict[str, LayerLayout],
-        refusal: tuple[ErrorCode, str],
-    ) -> None:
+    def fx_refuse_v1(self, session: SessionRecord, ctx: SessHandshake) -> None:
         """Refused; a v1 peer has no refusal shape: nothing is said."""
-        self.install_handshake(session, msg, layers)
-        session.refusal = refusal
+        assert ctx.refusal is not None
+        self.install_handshake(session, ctx.msg, ctx.layers)
+        session.refusal = ctx.refusal
         self.state.stats.refused_handshakes += 1
 
-    def fx_refuse_v2(
-        self,
-        session: SessionRecord,
-        peer: bytes,
-        msg: MfMeta,
-        layers: dict[str, LayerLayout],
-        refusal: tuple[ErrorCode, str],
-    ) -> None:
+    def fx_refuse_v2(self, session: SessionRecord, ctx: SessHandshake) -> None:
         """Refused: the Ack says why."""
-        self.fx_refuse_v1(session, peer, msg, layers, refusal)
-        code, text = refusal
-        self.state.out.append(Reply(peer, self._ack(error_code=int(code), error=clip(text))))
+        self.fx_refuse_v1(session, ctx)
+        assert ctx.refusal is not None
+        code, text = ctx.refusal
+        self.state.out.append(Reply(ctx.peer, self._ack(error_code=int(code), error=clip(text))))
 
     def _ack(self, error_code: int | None = None, error: str | None = None) -> Ack:
         caps: list[str] = [c for c in ALL_CAPABILITIES if c in self.state.caps]
@@ -233,23 +211,24 @@ class SessionEffects:
     def on_abort(self, peer: bytes, msg: Abort, now: float) -> None:
         session = self.session_of(peer)
         state = SESSION_UNBOUND if session is None else session.state
-        self.TABLE.react(self, session, state, S_RECV_ABORT, msg, now, error=RemoteProtocolError)
+        ctx = SessAbort(msg, now)
+        self.TABLE.apply_react(self, session, state, S_RECV_ABORT, ctx, error=RemoteProtocolError)
 
-    def fx_drop(self, _session: SessionRecord | None, _msg: Abort, _now: float) -> None:
+    def fx_drop(self, _session: SessionRecord | None, _ctx: SessAbort) -> None:
         """An ABORT from a peer with no usable session: count it."""
         self.state.stats.dropped += 1
 
-    def fx_apply_abort(self, session: SessionRecord, msg: Abort, now: float) -> None:
+    def fx_apply_abort(self, session: SessionRecord, ctx: SessAbort) -> None:
         """Fail the requests an ABORT names; park it for those not known yet."""
+        msg, now = ctx.msg, ctx.now
         self.state.stats.aborts_received += 1
         reason = f"aborted by Prefill: {msg.reason}" if msg.reason else "aborted by Prefill"
+        failure = ReqEnd(now, ErrorCode.ABORTED, reason, session.name)
         missing: list[str] = []
         for ext in unique_ids(msg.ext_ids):
             req = self.state.requests.get(ext)
             if req is not None:
-                self.request.event(
-                    req, R_RECV_ABORT, now, ErrorCode.ABORTED, reason, exclude=session.name
-                )
+                self.request.apply(req, R_RECV_ABORT, failure)
             elif ext not in self.state.retired:
                 missing.append(ext)
         if missing:
@@ -268,11 +247,15 @@ class SessionEffects:
         session = self.session_of(peer)
         state = SESSION_UNBOUND if session is None else session.state
         rd = ReadinessRecord(peer, "" if session is None else session.name, msg, now, ids_below)
-        self.TABLE.react(self, session, state, S_RECV_READINESS, rd, now, error=RemoteProtocolError)
+        ctx = SessReadiness(rd, now)
+        self.TABLE.apply_react(
+            self, session, state, S_RECV_READINESS, ctx, error=RemoteProtocolError
+        )
 
-    # The session machine's RECV_READINESS effects: (session, rd, now).
+    # The session machine's RECV_READINESS and LOCAL_UNPARKED effects.
 
-    def fx_reply_unknown_session(self, _session: None, rd: ReadinessRecord, now: float) -> None:
+    def fx_reply_unknown_session(self, _session: None, ctx: SessReadiness) -> None:
+        rd, now = ctx.rd, ctx.now
         self.state.stats.unknown_session += 1
         # A v2 Prefill (seq present) re-handshakes and replays this message once, so
         # its requests stay alive; a v1 one never replays, so they cannot complete.
@@ -284,12 +267,23 @@ class SessionEffects:
             fail_known=rd.msg.seq is None,
         )
 
-    def fx_reply_refused(self, session: SessionRecord, rd: ReadinessRecord, now: float) -> None:
+    def fx_reply_refused(self, session: SessionRecord, ctx: SessReadiness) -> None:
         code, text = session.refusal
-        self.replies.refuse(rd, now, code, f"handshake refused: {text}")
+        self.replies.refuse(ctx.rd, ctx.now, code, f"handshake refused: {text}")
 
-    def fx_serve(self, session: SessionRecord, rd: ReadinessRecord, now: float) -> None:
+    def fx_reply_session_gone(self, _session: None, ctx: SessReadiness) -> None:
+        """Out of the park, its session was forgotten meanwhile."""
+        self.replies.refuse(
+            ctx.rd, ctx.now, ErrorCode.UNKNOWN_SESSION, "the Prefill session is gone"
+        )
+
+    def fx_serve_unparked(self, session: SessionRecord, ctx: SessReadiness) -> None:
+        """Out of the park: serve it now, its still-unknown requests isolated."""
+        self.serving.serve(ctx.rd, session, ctx.now, allow_park=False)
+
+    def fx_serve(self, session: SessionRecord, ctx: SessReadiness) -> None:
         """Serve the readiness: a repeated seq from memory, a seq gap refused, else read."""
+        rd, now = ctx.rd, ctx.now
         msg = rd.msg
         if msg.seq is not None and CAP_SEQ in session.caps:
             if CAP_RESEND in session.caps:
@@ -299,7 +293,7 @@ class SessionEffects:
             if self.lost_before(session, msg):
                 self.refuse_after_loss(rd, session, now)
                 return
-        self.serving.serve(rd, now, allow_park=True)
+        self.serving.serve(rd, session, now, allow_park=True)
 
     def repeated(self, rd: ReadinessRecord, session: SessionRecord) -> bool:
         """Whether ``rd`` carries a seq this session sent before (resent after a broken
@@ -367,6 +361,8 @@ SessionEffects.TABLE = DECODE_SESSION.bind(
         EFFECT_REFUSE_V1: SessionEffects.fx_refuse_v1,
         EFFECT_REFUSE_V2: SessionEffects.fx_refuse_v2,
         EFFECT_SERVE: SessionEffects.fx_serve,
+        EFFECT_SERVE_UNPARKED: SessionEffects.fx_serve_unparked,
+        EFFECT_REPLY_SESSION_GONE: SessionEffects.fx_reply_session_gone,
         EFFECT_REPLY_REFUSED: SessionEffects.fx_reply_refused,
         EFFECT_REPLY_UNKNOWN_SESSION: SessionEffects.fx_reply_unknown_session,
         EFFECT_APPLY_ABORT: SessionEffects.fx_apply_abort,

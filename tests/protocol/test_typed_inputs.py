@@ -8,6 +8,7 @@ import inspect
 
 import pytest
 
+from rd2h_protocol.consumer import ConsumerEndpoint
 from rd2h_protocol.machines.declare import NO_EFFECT, BoundMachine, Input, no_effect
 from rd2h_protocol.machines.producer import P_SEND_READINESS
 from rd2h_protocol.producer import ProducerEndpoint
@@ -24,6 +25,9 @@ TYPED: tuple[BoundMachine, ...] = (
     ProducerEndpoint._CONN,
     ProducerEndpoint._REQUEST,
     ProducerEndpoint._KEPT,
+    ConsumerEndpoint.REQUEST,
+    ConsumerEndpoint.READINESS,
+    ConsumerEndpoint.SESSION,
 )
 
 
