@@ -7,7 +7,7 @@ from typing import ClassVar, Final
 
 from rd2h_protocol.consumer.config import ConsumerConfig, ConsumerStats, Output
 from rd2h_protocol.consumer.held import SessionBudgets, entries_cost
-from rd2h_protocol.consumer.parking import Parking
+from rd2h_protocol.consumer.parking import Parking, awaited_names
 from rd2h_protocol.consumer.reads import ReadinessEffects
 from rd2h_protocol.consumer.records import (
     KeptEntries,
@@ -168,8 +168,9 @@ class ConsumerEndpoint:
 
     def parked(self) -> dict[int, tuple[str, ...]]:
         """``{park id: request ids still awaited}`` of every parked readiness or abort."""
-        awaited = self.parking.awaited
-        return {pid: awaited(p) for pid, p in self.state.parked.items()}
+        # (views read the state alone: a read-back endpoint builds no parts for them)
+        waiting = self.state.waiting
+        return {pid: awaited_names(waiting, p) for pid, p in self.state.parked.items()}
 
     def sessions(self) -> dict[str, str]:
         """``{Prefill session: state}``."""
@@ -177,7 +178,7 @@ class ConsumerEndpoint:
 
     def negotiated(self, peer: bytes) -> ConnectionView | None:
         """The protocol and capabilities of the session ``peer`` is bound to (None: none)."""
-        session = self.sessions_fx.session_of(peer)
+        session = self._session_of(peer)
         if session is None:
             return None
         return ConnectionView.of(
@@ -186,8 +187,13 @@ class ConsumerEndpoint:
 
     def session_of_peer(self, peer: bytes) -> str | None:
         """The name of the Prefill session ``peer`` hand-shook for, if any (for logs)."""
-        session = self.sessions_fx.session_of(peer)
+        session = self._session_of(peer)
         return None if session is None else session.name
+
+    def _session_of(self, peer: bytes) -> SessionRecord | None:
+        state = self.state
+        name = state.peers.get(peer)
+        return None if name is None else state.sessions.get(name)
 
     def in_flight_count(self, ext_req_id: str) -> int:
         """Reads in flight that write ``ext_req_id``'s blocks (0 for an unknown request)."""

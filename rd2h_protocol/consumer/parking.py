@@ -66,6 +66,17 @@ def parked_cost(item: Parked, packed: bytes | None = None) -> int:
     return held + entries_bytes(msg.read_reqs)
 
 
+def awaited_names(waiting: dict[str, int | tuple[int, ...]], item: Parked) -> tuple[str, ...]:
+    """The request ids parked ``item`` still waits for, sorted (``waiting``: the state's
+    index of awaited ids)."""
+    pid = item.park_id
+    return tuple(
+        ext
+        for ext in item.names
+        if (held := waiting.get(ext)) == pid or (type(held) is tuple and pid in held)
+    )
+
+
 class Parking:
     """The park and the memory of retired requests (a collaborator of the machines'
     effects; serving what waited fires the request and readiness machines)."""
@@ -133,15 +144,6 @@ class Parking:
             else:
                 waiting[ext] = (*held, pid)
         self.state.stats.parked += 1
-
-    def _awaits(self, item: Parked, ext: str) -> bool:
-        """Whether parked ``item`` still waits for ``ext``."""
-        held = self.state.waiting.get(ext)
-        return held == item.park_id or (type(held) is tuple and item.park_id in held)
-
-    def awaited(self, item: Parked) -> tuple[str, ...]:
-        """The request ids parked ``item`` still waits for, sorted."""
-        return tuple(ext for ext in item.names if self._awaits(item, ext))
 
     def unpark(self, item: Parked) -> None:
         del self.state.parked[item.park_id]
