@@ -360,7 +360,7 @@ def handling(
     d_layers = decode_layers(pool)
     ep = ConsumerEndpoint(ConsumerConfig(d_rank=0, d_tp=1, layers=d_layers))
     if not fast:
-        ep._read_frame = lambda frame, **_: decode(frame)  # type: ignore[method-assign]
+        ep.read_frame = lambda frame, **_: decode(frame)
     layouts = {
         name: msgspec.structs.replace(layout, num_blocks=pool if num_blocks else None)
         for name, layout in prefill_layers(pool)

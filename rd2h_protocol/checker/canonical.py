@@ -162,25 +162,25 @@ _SKIP: Final[dict[str, frozenset[str]]] = {
             "out",
         }
     ),
-    "rd2h_protocol.consumer.endpoint.ConsumerEndpoint": frozenset(
+    "rd2h_protocol.consumer.state.ConsumerState": frozenset(
         {
             "config",
             "stats",
-            "_layers",
-            "_caps",
-            "_main_limit",
-            "_indexer_limit",
-            "_next_read_id",
-            "_next_park_id",
-            "_out",
-            "_aborts",
-            "_reads",
-            "_entry_cache",
+            "layers",
+            "caps",
+            "main_limit",
+            "indexer_limit",
+            "next_read_id",
+            "next_park_id",
+            "out",
+            "aborts",
+            "reads",
+            "entry_cache",
             # What sessions hold in bytes acts only beyond the session budgets (MiBs),
             # which the model's few small sessions never approach.
-            "_session_bytes",
-            "_session_bytes_by_origin",
-            "_origin_sessions",
+            "session_bytes",
+            "session_bytes_by_origin",
+            "origin_sessions",
         }
     ),
     # history only tells a stale reply from a duplicate one (a counter); next_seq is a label.
@@ -188,10 +188,10 @@ _SKIP: Final[dict[str, frozenset[str]]] = {
     "rd2h_protocol.producer.records.Pub": frozenset({"sent_at"}),  # for latency metrics only
     # Failure texts are reported, never acted on.
     "rd2h_protocol.producer.records.Request": frozenset({"message"}),
-    "rd2h_protocol.consumer.records._Request": frozenset({"fail_message"}),
-    "rd2h_protocol.consumer.records._ParkedAbort": frozenset({"reason"}),
+    "rd2h_protocol.consumer.records.RequestRecord": frozenset({"fail_message"}),
+    "rd2h_protocol.consumer.records.ParkedAbort": frozenset({"reason"}),
     # The reply memory is written by _canon_world, only where it can still be asked.
-    "rd2h_protocol.consumer.records._Session": frozenset(
+    "rd2h_protocol.consumer.records.SessionRecord": frozenset(
         {"validated", "remembered", "remembered_bytes", "held", "layout_bytes"}
     ),
     # A request's spec and block ids never change; its key says which request it is.
@@ -205,13 +205,13 @@ _SKIP: Final[dict[str, frozenset[str]]] = {
 _REFS: Final[dict[str, dict[str, str]]] = {
     "rd2h_protocol.producer.records.Pub": {"conn": "name", "requests": "ext_id"},
     "rd2h_protocol.producer.records.Request": {"conn": "name"},
-    "rd2h_protocol.consumer.records._Readiness": {"accepted": "ext_id", "in_plan": "ext_id"},
+    "rd2h_protocol.consumer.records.ReadinessRecord": {"accepted": "ext_id", "in_plan": "ext_id"},
 }
 # Attributes that hold structs packed as msgpack bytes, with their decoder: written as the
 # decoded data while structs are written as data (a renaming must reach the ids inside),
 # else as the bytes (they decide the data).
 _PACKED: Final[dict[str, dict[str, msgspec.msgpack.Decoder[Any]]]] = {
-    "rd2h_protocol.consumer.records._Readiness": {"packed": _UNPACK_DECODER},
+    "rd2h_protocol.consumer.records.ReadinessRecord": {"packed": _UNPACK_DECODER},
 }
 _ATOMIC: Final[frozenset[type]] = frozenset({str, int, bytes, bool, type(None)})
 # Types whose values are their own canonical form: the atomic ones, or none while a
@@ -341,7 +341,7 @@ def _canon_world(world: Any) -> _Canon:
             (conn, name, seq, _canon(reply))
             for (e, d), cons in world.consumers.items()
             for conn in (World.conn_name(e, d),)
-            for name, session in cons._sessions.items()
+            for name, session in cons.state.sessions.items()
             for seq, reply in session.remembered.items()
             if (name, conn, seq) in askable
         ]
@@ -440,7 +440,8 @@ def _canon_producer(prod: Any) -> _Canon:
 def _canon_consumer(cons: Any) -> _Canon:
     form = _KNOWN_FORMS.get(id(cons))
     if form is None:
-        form = (_canon_vars(cons), _sorted([_canon(rd) for rd in cons._reads.values()]))
+        state = cons.state  # (the endpoint's parts hold nothing but references to it)
+        form = (_canon_vars(state), _sorted([_canon(rd) for rd in state.reads.values()]))
     _BUILT_FORMS[id(cons)] = form
     return form
 

@@ -42,7 +42,8 @@ from rd2h_protocol.checker.model import (
     _Static,
 )
 from rd2h_protocol.completion import CompletionStats
-from rd2h_protocol.consumer import ConsumerConfig, ConsumerStats
+from rd2h_protocol.consumer import ConsumerConfig, ConsumerEndpoint, ConsumerStats
+from rd2h_protocol.consumer.endpoint import endpoint_of
 from rd2h_protocol.errors import ErrorCode
 from rd2h_protocol.producer import ProducerConfig, ProducerStats
 from rd2h_protocol.wire.layout import DestinationLayout, LayerLayout
@@ -149,6 +150,11 @@ def _ordered_dict(obj: OrderedDict[Any, Any]) -> tuple[Callable[..., object], tu
     return OrderedDict, (list(obj.items()),)
 
 
+def _consumer_endpoint(obj: ConsumerEndpoint) -> tuple[Callable[..., object], tuple[object, ...]]:
+    # Its state alone (ConsumerEndpoint.__reduce__, without the lookup of it).
+    return endpoint_of, (obj.state,)
+
+
 def _enum_member(obj: enum.Enum) -> tuple[Callable[..., object], tuple[object, ...]]:
     # Looked up by name when read back (getattr, in C), not through EnumType.__call__.
     return getattr, (type(obj), obj._name_)
@@ -171,6 +177,7 @@ def _dispatch_table() -> dict[type, _Reducer]:
             DestinationLayout: _by_content,
             ProducerStats: _fresh,
             ConsumerStats: _fresh,
+            ConsumerEndpoint: _consumer_endpoint,
             CompletionStats: _fresh,
             OrderedDict: _ordered_dict,
             ErrorCode: _enum_member,

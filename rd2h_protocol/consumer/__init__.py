@@ -42,7 +42,7 @@ Serving one readiness (reference §2, departures 1, 4, 6, 11):
    :func:`~rd2h_protocol.topology.indexer_share`. The request machine takes the message
    in runs of requests in one state (``RECV_READINESS`` is a batched input), and the
    shares of a session's kept entries are worked out once per engine step (see
-   ``_KeptEntries``): the other layers look them up.
+   ``KeptEntries``): the other layers look them up.
 5. ONE :class:`~rd2h_protocol.plan.ReadPlan` per message (``StartRead``), or, when this
    rank has nothing to read, ``read_done`` at once. A whole-entry share is not copied:
    the plan holds the message's own ids (tuples decoded once per engine step, as every
@@ -61,20 +61,31 @@ them. ``read_failed`` is kept for what fails the whole layer.
 
 Reading order
 -------------
-The endpoint is one object built in layers, each a module that adds the behaviour of one
-concern to the layers below it (and no state: :mod:`.state` declares all of it):
+The endpoint is one state record and the parts that act on it, by composition (no part
+inherits from another, and none holds state: :mod:`.state` declares all of it). Each
+machine has one effects object, the owner its bound table's handlers run on; the
+collaborators they share do one concern each. A part reaches the others through the
+references :class:`ConsumerEndpoint` wires when it builds them:
 
 * :mod:`.config` -- :class:`ConsumerConfig` and :class:`ConsumerStats`;
 * :mod:`.records` -- the per-session, per-request and per-readiness records;
-* :mod:`.state` -- everything the endpoint holds, and the request machine's input;
-* :mod:`.parking` -- readiness and ABORTs that wait for requests not known yet;
-* :mod:`.requests` -- the request machine's effects (done, failed, released);
-* :mod:`.replies` -- read_done / read_failed, and the memory of recent replies;
-* :mod:`.reads` -- a batched read's outcomes (done signals, retry, failure);
-* :mod:`.serving` -- serving one readiness: checks, parking, shares, the read plan;
-* :mod:`.sessions` -- the session machine's effects: handshake, ABORT, admission;
-* :mod:`.endpoint` -- :class:`ConsumerEndpoint`: the public inputs and views, and the
-  three tables of :mod:`rd2h_protocol.machines.consumer` bound to their handlers.
+* :mod:`.state` -- :class:`~.state.ConsumerState`, everything the endpoint holds (its
+  ``out`` collects the outputs of the input being handled);
+* :mod:`.held` -- :class:`~.held.SessionBudgets`: what sessions hold, and its budgets;
+* :mod:`.parking` -- :class:`~.parking.Parking`: readiness and ABORTs that wait for
+  requests not known yet;
+* :mod:`.requests` -- :class:`~.requests.RequestEffects`: the request machine's effects
+  (done, failed, released);
+* :mod:`.replies` -- :class:`~.replies.Replies`: read_done / read_failed, and the memory
+  of recent replies;
+* :mod:`.reads` -- :class:`~.reads.ReadinessEffects`: the readiness machine's effects
+  and a batched read's outcomes (done signals, retry, failure);
+* :mod:`.serving` -- :class:`~.serving.Serving`: serving one readiness: checks, parking,
+  shares, the read plan;
+* :mod:`.sessions` -- :class:`~.sessions.SessionEffects`: the session machine's effects:
+  handshake, ABORT, admission;
+* :mod:`.endpoint` -- :class:`ConsumerEndpoint`: the public inputs and views; each input
+  hands out (and clears) the outputs the parts collected in ``state.out``.
 
 A frame from Prefill goes through one decoder call and one dispatch:
 :meth:`~ConsumerEndpoint.receive` hands it to

@@ -25,7 +25,7 @@ from rd2h_protocol.wire.messages import (
 )
 
 
-class _Session:
+class SessionRecord:
     __slots__ = (
         "caps",
         "held",
@@ -61,7 +61,7 @@ class _Session:
         self.refusal: tuple[ErrorCode, str] = (ErrorCode.UNKNOWN, "")
         # The seq the next v2 readiness must carry (None: not known yet).
         self.next_seq: int | None = None
-        # seq -> the reply it got, or None while it is served (see _REMEMBERED_SEQS).
+        # seq -> the reply it got, or None while it is served (see REMEMBERED_SEQS).
         self.remembered: OrderedDict[int, ReadDone | ReadFailed | None] = OrderedDict()
         self.remembered_bytes = 0
         # (layer_idx, layer_name) -> validated components, or the mismatch.
@@ -71,7 +71,7 @@ class _Session:
         ] = {}
 
 
-class _Request:
+class RequestRecord:
     __slots__ = (
         "contributors",
         "ext_id",
@@ -96,7 +96,7 @@ class _Request:
         self.fail_message = ""
 
 
-class _Readiness:
+class ReadinessRecord:
     __slots__ = (
         "accepted",
         "caps",
@@ -147,18 +147,18 @@ class _Readiness:
         self.park_cost = 0
         self.deadline = 0.0
         self.park_id = 0
-        self.accepted: list[_Request] = []
-        self.in_plan: list[_Request] = []
+        self.accepted: list[RequestRecord] = []
+        self.in_plan: list[RequestRecord] = []
         self.isolated: list[FailedRequest] = []
         self.plan: ReadPlan | None = None
         self.retries_left = 0
 
 
-class _KeptEntries:
+class KeptEntries:
     """A session's last readiness entries with their bytes (a
     :class:`~rd2h_protocol.wire.readiness.Readiness`'s ``keep``, passed back to the decoder
     as ``kept``), and this rank's shares of them worked out so far (see
-    ``_Serving._fx_accept``): every layer of an engine step carries the same entries, so
+    ``Serving.accept``): every layer of an engine step carries the same entries, so
     their shares are worked out on its first layer and only looked up on the others."""
 
     __slots__ = ("cost", "entries", "raw", "shares")
@@ -166,13 +166,13 @@ class _KeptEntries:
     def __init__(self, raw: bytes, entries: list[ReadReq], cost: int = 0) -> None:
         self.raw = raw
         self.entries = entries
-        self.cost = cost  # bytes held, charged to the session (see _entries_cost)
+        self.cost = cost  # bytes held, charged to the session (see entries_cost)
         # ext -> (entry, request, share rule, share): the share stands for that entry of
         # that request record under that rule (entries and destination ids never change).
-        self.shares: dict[str, tuple[ReadReq, _Request, object, RequestRead]] = {}
+        self.shares: dict[str, tuple[ReadReq, RequestRecord, object, RequestRead]] = {}
 
 
-class _ParkedAbort:
+class ParkedAbort:
     __slots__ = ("deadline", "left", "names", "park_cost", "park_id", "reason", "session")
 
     def __init__(
@@ -187,4 +187,4 @@ class _ParkedAbort:
         self.park_id = 0
 
 
-_Parked: TypeAlias = _Readiness | _ParkedAbort
+Parked: TypeAlias = ReadinessRecord | ParkedAbort

@@ -8,14 +8,14 @@ operation in :mod:`rd2h_protocol.consumer`.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, NamedTuple
 
 from rd2h_protocol.completion import ContributorSet
-from rd2h_protocol.consumer.held import _VALIDATED_BYTES
-from rd2h_protocol.consumer.reads import _ReadOutcomes
-from rd2h_protocol.consumer.records import _Readiness, _Request, _Session
-from rd2h_protocol.consumer.replies import _clip
+from rd2h_protocol.consumer.held import VALIDATED_BYTES
+from rd2h_protocol.consumer.records import ReadinessRecord, RequestRecord, SessionRecord
+from rd2h_protocol.consumer.replies import clip
+from rd2h_protocol.consumer.state import ConsumerState
 from rd2h_protocol.errors import ErrorCode, LayoutMismatch, ProtocolError, RemoteProtocolError
 from rd2h_protocol.machines.consumer import (
     M_LOCAL_NOTHING_TO_READ,
@@ -23,11 +23,8 @@ from rd2h_protocol.machines.consumer import (
     M_LOCAL_START_READ,
     R_LOCAL_FAIL,
     R_RECV_READINESS,
-    REQ_ABORTED,
-    REQ_DONE,
-    REQ_RELEASE_PENDING,
-    SESSION_READY,
 )
+from rd2h_protocol.machines.consumer_inputs import RdPark, ReqEnd, ReqReadiness
 from rd2h_protocol.plan import ComponentAddrs, ReadPlan, RequestRead
 from rd2h_protocol.topology import indexer_share, main_share
 from rd2h_protocol.wire.layout import (
@@ -38,6 +35,13 @@ from rd2h_protocol.wire.layout import (
 )
 from rd2h_protocol.wire.messages import FailedRequest, ReadReq
 from rd2h_protocol.wire.readiness import message_ids, unique_ids
+
+if TYPE_CHECKING:
+    from rd2h_protocol.consumer.held import SessionBudgets
+    from rd2h_protocol.consumer.parking import Parking
+    from rd2h_protocol.consumer.reads import ReadinessEffects
+    from rd2h_protocol.consumer.replies import Replies
+    from rd2h_protocol.consumer.requests import RequestEffects
 
 
 def _explain(mismatch: LayoutMismatch, tp_ratio: int) -> str:
@@ -69,8 +73,8 @@ def _part(ids: Sequence[int], start: int, end: int) -> Sequence[int]:
     return ids if start == 0 and end == len(ids) else ids[start:end]
 
 
-class _ShareRule(NamedTuple):
-    """What :meth:`_Serving._share` decides once per readiness, not per request: with the
+class ShareRule(NamedTuple):
+    """What :meth:`Serving._share` decides once per readiness, not per request: with the
     entry and the request, all a share depends on (the layer's name is only quoted)."""
 
     whole: bool  # every share is its whole entry: one Decode rank (or main not shared), ratio 1
@@ -80,41 +84,44 @@ class _ShareRule(NamedTuple):
     tp_ratio: int
 
 
-class _Serving(_ReadOutcomes):
-    """From a readiness the session admitted to its read (or its refusal)."""
+class Serving:
+    """From a readiness the session admitted to its read (or its refusal): a collaborator
+    of the session and readiness machines' effects, and the request machine's for its
+    RECV_READINESS effects."""
 
-    # The readiness machine's PROCESS effect.
+    __slots__ = ("budgets", "parking", "readiness", "replies", "request", "state")
 
-    def _fx_process(self, rd: _Readiness, now: float) -> None:
-        """Out of the park: serve it now, its still-unknown requests isolated."""
-        self._serve(rd, now, allow_park=False)
+    budgets: SessionBudgets
+    parking: Parking
+    readiness: ReadinessEffects
+    replies: Replies
+    request: RequestEffects
 
-    def _serve(self, rd: _Readiness, now: float, *, allow_park: bool) -> None:
-        """Serve one readiness (received, or leaving the park)."""
+    def __init__(self, state: ConsumerState) -> None:
+        self.state = state
+
+    def serve(
+        self, rd: ReadinessRecord, session: SessionRecord, now: float, *, allow_park: bool
+    ) -> None:
+        """Serve one readiness (received, or leaving the park) of ``session``, ready (the
+        session machine's rows see to it: ``RECV_READINESS``, ``LOCAL_UNPARKED``)."""
         msg = rd.msg
-        session = self._sessions.get(rd.session)
-        if session is None:  # only after parking: the session was forgotten meanwhile
-            self._refuse(rd, now, ErrorCode.UNKNOWN_SESSION, "the Prefill session is gone")
-            return
-        if session.state not in SESSION_READY:  # only after parking: a new handshake failed
-            code, text = session.refusal
-            self._refuse(rd, now, code, f"handshake refused: {text}")
-            return
+        state = self.state
         rd.caps = session.caps
         local_name = msg.layer_name
-        known = self._by_name.get(local_name)
+        known = state.by_name.get(local_name)
         if known is None:
-            self._refuse(
+            self.replies.refuse(
                 rd,
                 now,
                 ErrorCode.UNKNOWN_LAYER,
                 f"layer {local_name!r} (layer_idx {msg.layer_idx}) is not one of Decode's "
-                f"{len(self._layers)} cache-bearing layers",
+                f"{len(state.layers)} cache-bearing layers",
             )
             return
         expected, dst = known
         if msg.layer_idx != expected:
-            self._refuse(
+            self.replies.refuse(
                 rd,
                 now,
                 ErrorCode.LAYOUT_MISMATCH,
@@ -124,7 +131,7 @@ class _Serving(_ReadOutcomes):
             return
         src = session.layers.get(msg.layer_name)
         if src is None:
-            self._refuse(
+            self.replies.refuse(
                 rd,
                 now,
                 ErrorCode.UNKNOWN_LAYER,
@@ -139,30 +146,33 @@ class _Serving(_ReadOutcomes):
             except LayoutMismatch as exc:
                 comps = exc
             session.validated[key] = comps
-            self._account_layout(session, session.layout_bytes + _VALIDATED_BYTES)
-            self._enforce_session_budgets(session)
+            self.budgets.account_layout(session, session.layout_bytes + VALIDATED_BYTES)
+            self.budgets.enforce_session_budgets(session)
         if isinstance(comps, LayoutMismatch):
-            self._refuse(rd, now, ErrorCode.LAYOUT_MISMATCH, _explain(comps, msg.tp_ratio))
+            self.replies.refuse(rd, now, ErrorCode.LAYOUT_MISMATCH, _explain(comps, msg.tp_ratio))
             return
         if allow_park:
-            # (set.difference looks each id up in the dict; _retired, an OrderedDict, it
+            # (set.difference looks each id up in the dict; retired, an OrderedDict, it
             # would iterate whole, so the few ids left are looked up there one by one)
             named = set(message_ids(msg))
-            missing = [ext for ext in named.difference(self._requests) if ext not in self._retired]
+            retired = state.retired
+            missing = [ext for ext in named.difference(state.requests) if ext not in retired]
             if missing:
-                packed = self._prepare_park(rd, missing)
-                rd.deadline = now + self.config.park_timeout_s
+                parking = self.parking
+                packed = parking.prepare_park(rd, missing)
+                rd.deadline = now + state.config.park_timeout_s
                 if rd.start_by is not None:
                     rd.deadline = min(rd.deadline, rd.start_by)
-                if self._park_has_room(rd):
-                    self._READINESS.fire(self, rd, M_LOCAL_PARK, packed, missing)
+                if parking.park_has_room(rd):
+                    readiness = self.readiness
+                    readiness.TABLE.apply(readiness, rd, M_LOCAL_PARK, RdPark(packed, missing))
                     return
                 rd.names, rd.left = (), 0
                 if len(missing) == len(named):
                     # Not one request Decode knows: each would fail alone, UNKNOWN_REQUEST,
                     # so the readiness fails whole, without a failure record per request
                     # (what made a flood of such frames dear to handle).
-                    self._refuse(
+                    self.replies.refuse(
                         rd,
                         now,
                         ErrorCode.UNKNOWN_REQUEST,
@@ -171,8 +181,8 @@ class _Serving(_ReadOutcomes):
                     )
                     return
         if rd.start_by is not None and now > rd.start_by:
-            self.stats.expired_leases += 1
-            self._refuse(
+            state.stats.expired_leases += 1
+            self.replies.refuse(
                 rd,
                 now,
                 ErrorCode.LEASE_EXPIRED,
@@ -184,8 +194,8 @@ class _Serving(_ReadOutcomes):
 
     def _plan(
         self,
-        rd: _Readiness,
-        session: _Session,
+        rd: ReadinessRecord,
+        session: SessionRecord,
         src: LayerLayout,
         local_name: str,
         main: tuple[ComponentAddrs, ...],
@@ -203,60 +213,65 @@ class _Serving(_ReadOutcomes):
             named = list(entry_of)
         ids = named + [ext for ext in unique_ids(msg.done_ext_ids) if ext not in entry_of]
         reads: list[RequestRead] = []
-        kept = self._entry_cache.get(rd.session)
+        state = self.state
+        kept = state.entry_cache.get(rd.session)
         shares = kept.shares if kept is not None and kept.entries is msg.read_reqs else None
         rule = self._share_rule(rd, src, indexer)
-        context = (rd, entry_of, twice, rule, shares, now, reads)
-        found = list(map(self._requests.get, ids))
+        ctx = ReqReadiness(rd, entry_of, twice, rule, shares, now, reads)
+        found = list(map(state.requests.get, ids))
+        request = self.request
+        table = request.TABLE
         if None in found:
             # An unknown request is isolated where it stands, between the runs around it.
-            run: list[_Request] = []
+            run: list[RequestRecord] = []
             for ext, req in zip(ids, found, strict=True):
                 if req is not None:
                     run.append(req)
                     continue
-                self._REQUEST.fire_batch(self, run, R_RECV_READINESS, *context)
+                table.apply_batch(request, run, R_RECV_READINESS, ctx)
                 run = []
-                self._isolate(rd, ext, ErrorCode.UNKNOWN_REQUEST, "unknown request")
-            self._REQUEST.fire_batch(self, run, R_RECV_READINESS, *context)
+                self.isolate(rd, ext, ErrorCode.UNKNOWN_REQUEST, "unknown request")
+            table.apply_batch(request, run, R_RECV_READINESS, ctx)
         else:
-            self._REQUEST.fire_batch(self, found, R_RECV_READINESS, *context)
+            table.apply_batch(request, found, R_RECV_READINESS, ctx)
         if not reads:
-            self._READINESS.fire(self, rd, M_LOCAL_NOTHING_TO_READ)
-            self._count_done(rd, now)
+            readiness = self.readiness
+            readiness.TABLE.apply(readiness, rd, M_LOCAL_NOTHING_TO_READ, None)
+            readiness.count_done(rd, now)
             return
-        read_id = self._next_read_id
-        self._next_read_id += 1
+        read_id = state.next_read_id
+        state.next_read_id += 1
         rd.plan = ReadPlan(read_id, session.name, local_name, main, indexer, tuple(reads))
-        rd.retries_left = self.config.max_read_retries
+        rd.retries_left = state.config.max_read_retries
         for req in rd.in_plan:
             req.in_flight += 1
-        self._reads[read_id] = rd
-        self.stats.reads_started += 1
-        self._READINESS.fire(self, rd, M_LOCAL_START_READ)
+        state.reads[read_id] = rd
+        state.stats.reads_started += 1
+        readiness = self.readiness
+        readiness.TABLE.apply(readiness, rd, M_LOCAL_START_READ, None)
 
     def _share_rule(
-        self, rd: _Readiness, src: LayerLayout, indexer: tuple[ComponentAddrs, ...]
-    ) -> _ShareRule:
+        self, rd: ReadinessRecord, src: LayerLayout, indexer: tuple[ComponentAddrs, ...]
+    ) -> ShareRule:
         """How every entry of this readiness is shared: whole (one Decode rank and one
         contributor, the usual shape: no split per request), and whether Prefill's ids
         still need checking against ``num_blocks`` (not when the bounded decode proved
         every id of the message below it)."""
-        msg, cfg = rd.msg, self.config
+        msg, cfg = rd.msg, self.state.config
         num_blocks = src.num_blocks
         if num_blocks is not None and rd.ids_below is not None and rd.ids_below <= num_blocks:
             num_blocks = None  # every Prefill id of the message is below it: checked already
         whole = (cfg.d_tp == 1 or not cfg.main_shared) and msg.tp_ratio == 1
-        return _ShareRule(whole, num_blocks, bool(indexer), msg.group_member_idx, msg.tp_ratio)
+        return ShareRule(whole, num_blocks, bool(indexer), msg.group_member_idx, msg.tp_ratio)
 
-    def _share(self, req: _Request, rr: ReadReq, rule: _ShareRule, layer: str) -> RequestRead:
+    def _share(self, req: RequestRecord, rr: ReadReq, rule: ShareRule, layer: str) -> RequestRead:
         """This rank's blocks of one readiness entry, mapped to the request's own ids
         (``layer``: the layer's name, for the errors).
 
         No id is copied when the share is the whole entry: the plan holds the message's
         own lists and the request's own (immutable) destination ids.
         """
-        cfg = self.config
+        cfg = self.state.config
         whole, num_blocks, has_indexer, member, tp_ratio = rule
         main_ids = rr.main_block_ids
         n = len(main_ids)
@@ -294,40 +309,21 @@ class _Serving(_ReadOutcomes):
                 _check_source(layer, "indexer", idx_src, num_blocks)
         return RequestRead(req.ext_id, main_src, main_dst, idx_src, idx_dst)
 
-    def _not_waiting(self, req: _Request) -> tuple[ErrorCode, str]:
-        """Why readiness for a request that stopped waiting is refused."""
-        if req.state == REQ_DONE:
-            return ErrorCode.UNKNOWN_REQUEST, "the request already completed on this rank"
-        if req.state == REQ_ABORTED:
-            return ErrorCode.ABORTED, "the request was aborted"
-        if req.state == REQ_RELEASE_PENDING:
-            return ErrorCode.ABORTED, "the request was released"
-        return req.fail_code, f"the request already failed: {req.fail_message}"
+    def isolate(self, rd: ReadinessRecord, ext: str, code: ErrorCode, text: str) -> None:
+        self.state.stats.isolated_requests += 1
+        rd.isolated.append(FailedRequest(ext, int(code), clip(text)))
 
-    def _isolate(self, rd: _Readiness, ext: str, code: ErrorCode, text: str) -> None:
-        self.stats.isolated_requests += 1
-        rd.isolated.append(FailedRequest(ext, int(code), _clip(text)))
+    # The request machine's RECV_READINESS effects (a batched input, see
+    # RequestEffects.fx_accept), ``reqs`` a run of the readiness's requests in one state.
 
-    # The request machine's RECV_READINESS effects (a batched input): (reqs, rd, entry_of,
-    # twice, rule, shares, now, reads), ``reqs`` a run of the readiness's requests in one
-    # state.
-
-    def _fx_isolate(self, reqs: Sequence[_Request], rd: _Readiness, *_context: Any) -> None:
+    def isolate_run(
+        self, reqs: Sequence[RequestRecord], rd: ReadinessRecord, code: ErrorCode, text: str
+    ) -> None:
         """The requests stopped waiting: leave them out of the read, report each alone."""
         for req in reqs:
-            self._isolate(rd, req.ext_id, *self._not_waiting(req))
+            self.isolate(rd, req.ext_id, code, text)
 
-    def _fx_accept(
-        self,
-        reqs: Sequence[_Request],
-        rd: _Readiness,
-        entry_of: Mapping[str, ReadReq],
-        twice: set[str],
-        rule: _ShareRule,
-        shares: dict[str, tuple[ReadReq, _Request, object, RequestRead]] | None,
-        now: float,
-        reads: list[RequestRead],
-    ) -> None:
+    def accept(self, reqs: Sequence[RequestRecord], ctx: ReqReadiness) -> None:
         """Take the readiness for each request: its entry (``entry_of``; none for a done id
         alone) must be sound (named once, the same ``tp_ratio``, a destination range that
         fits, source ids within the layout), else the request is isolated and fails
@@ -337,8 +333,10 @@ class _Serving(_ReadOutcomes):
         each reused while it stands for the same entry, request and rule (then its checks
         passed on these very inputs), else worked out and kept.
         """
+        rd, entry_of, twice, rule, shares = ctx.rd, ctx.entry_of, ctx.twice, ctx.rule, ctx.shares
+        now, reads = ctx.now, ctx.reads
         ratio, layer = rule.tp_ratio, rd.msg.layer_name
-        accepted: list[_Request] = []
+        accepted: list[RequestRecord] = []
         for req in reqs:
             ext = req.ext_id
             entry = entry_of.get(ext)
@@ -357,14 +355,14 @@ class _Serving(_ReadOutcomes):
                     if shares is not None:
                         shares[ext] = (entry, req, rule, read)
             except ProtocolError as exc:
-                self._isolate(rd, ext, exc.code, exc.message)
-                self._request_event(req, R_LOCAL_FAIL, now, exc.code, exc.message)
+                self.isolate(rd, ext, exc.code, exc.message)
+                self.request.apply(req, R_LOCAL_FAIL, ReqEnd(now, exc.code, exc.message))
                 continue
             accepted.append(req)
             if read is not None and (read.main_src or read.indexer_src):
                 reads.append(read)
                 rd.in_plan.append(req)
-        self._touch(accepted, now)
+        self.request.touch(accepted, now)
         for req in accepted:
             req.sessions.add(rd.session)
             if req.contributors is None:

@@ -45,21 +45,34 @@ from typing import Final
 from rd2h_protocol.completion import CONTRIBUTOR_COMPLETION, CROSS_RANK_COMPLETION
 from rd2h_protocol.completion import GUARDS as COMPLETION_GUARDS
 from rd2h_protocol.events import Releasable, Reply, RequestDone, RequestFailed, StartRead
-from rd2h_protocol.machines.declare import NO_EFFECT, Guard, MachineSpec, check_guards, stay
+from rd2h_protocol.machines.consumer_inputs import (
+    RdAt,
+    RdFailure,
+    RdPark,
+    ReqAt,
+    ReqDoneSignal,
+    ReqEnd,
+    ReqReadiness,
+    ReqRetry,
+    SessAbort,
+    SessHandshake,
+    SessReadiness,
+)
+from rd2h_protocol.machines.declare import NO_EFFECT, Guard, Input, MachineSpec, check_guards, stay
 
 #: Every guard the Decode tables name: what it says and the method that resolves it.
 GUARDS: Final[dict[str, Guard]] = {
     "all_contributors_reported": Guard(
         "every contributor's final-layer done signal was counted",
-        "ConsumerEndpoint._count_done (ContributorSet.complete)",
+        "ReadinessEffects.count_done (ContributorSet.complete)",
     ),
     "no_read_in_flight": Guard(
         "no read that writes the request's blocks is in flight (in_flight == 0)",
-        "ConsumerEndpoint._count_done, .release, ._release_quiescent",
+        "ReadinessEffects.count_done, ConsumerEndpoint.release, RequestEffects.release_quiescent",
     ),
     "no_parked_readiness_names_it": Guard(
         "no parked readiness names the request (its blocks are not all read yet)",
-        "ConsumerEndpoint._named_by_parked",
+        "Parking.named_by_parked",
     ),
     "read_in_flight": Guard(
         "a read that writes the request's blocks is in flight (in_flight > 0)",
@@ -67,29 +80,27 @@ GUARDS: Final[dict[str, Guard]] = {
     ),
     "requests_unknown": Guard(
         "the readiness names requests this rank neither holds nor retired",
-        "ConsumerEndpoint._serve (allow_park)",
+        "Serving.serve (allow_park)",
     ),
     "park_has_room": Guard(
         "the park has room: max_parked, max_parked_bytes(_per_session)",
-        "ConsumerEndpoint._park_has_room",
+        "Parking.park_has_room",
     ),
     "requests_known": Guard(
         "every request the parked readiness waited for arrived or retired",
-        "ConsumerEndpoint._resolve_waiting",
+        "Parking.resolve_waiting",
     ),
     "lease_leaves_half": Guard(
         "at least half of lease_ms is left since the readiness arrived (start_by)",
-        "ConsumerEndpoint._serve, ._may_retry",
+        "Serving.serve, ReadinessEffects.may_retry",
     ),
-    "transient_error": Guard(
-        "the read's TransferError is transient", "ConsumerEndpoint._may_retry"
-    ),
+    "transient_error": Guard("the read's TransferError is transient", "ReadinessEffects.may_retry"),
     "error_not_lease_expired": Guard(
-        "the read's error is not LEASE_EXPIRED", "ConsumerEndpoint._may_retry"
+        "the read's error is not LEASE_EXPIRED", "ReadinessEffects.may_retry"
     ),
-    "retries_left": Guard("max_read_retries not used up", "ConsumerEndpoint._may_retry"),
+    "retries_left": Guard("max_read_retries not used up", "ReadinessEffects.may_retry"),
     "a_request_still_receiving": Guard(
-        "a request of the read is still receiving", "ConsumerEndpoint._may_retry"
+        "a request of the read is still receiving", "ReadinessEffects.may_retry"
     ),
     **COMPLETION_GUARDS,
 }
@@ -106,22 +117,33 @@ REQ_ABORTED: Final = "aborted"
 REQ_RELEASE_PENDING: Final = "release_pending"
 REQ_RELEASED: Final = "released"
 
-R_LOCAL_ADVERTISE: Final = "LOCAL_ADVERTISE"
-R_RECV_READINESS: Final = "RECV_READINESS"
-R_LOCAL_READ_OK: Final = "LOCAL_READ_OK"
-R_LOCAL_ALL_DONE: Final = "LOCAL_ALL_DONE"
-R_LOCAL_FAIL: Final = "LOCAL_FAIL"
-R_RECV_ABORT: Final = "RECV_ABORT"
-R_LOCAL_ABORT: Final = "LOCAL_ABORT"
-R_TIMER_LOAD_TIMEOUT: Final = "TIMER_LOAD_TIMEOUT"
-R_LOCAL_RELEASE: Final = "LOCAL_RELEASE"
-R_LOCAL_RELEASE_BUSY: Final = "LOCAL_RELEASE_BUSY"
-R_LOCAL_QUIESCENT: Final = "LOCAL_QUIESCENT"
+# Each input's context type: rd2h_protocol.machines.consumer_inputs.
+R_LOCAL_ADVERTISE: Final[Input[ReqAt]] = Input("LOCAL_ADVERTISE")
+R_RECV_READINESS: Final[Input[ReqReadiness]] = Input("RECV_READINESS")
+R_LOCAL_READ_OK: Final[Input[ReqAt]] = Input("LOCAL_READ_OK")
+R_LOCAL_READ_RETRY: Final[Input[ReqRetry]] = Input("LOCAL_READ_RETRY")
+R_RECV_DONE_SIGNAL: Final[Input[ReqDoneSignal]] = Input("RECV_DONE_SIGNAL")
+R_LOCAL_ALL_DONE: Final[Input[ReqAt]] = Input("LOCAL_ALL_DONE")
+R_LOCAL_FAIL: Final[Input[ReqEnd]] = Input("LOCAL_FAIL")
+R_RECV_ABORT: Final[Input[ReqEnd]] = Input("RECV_ABORT")
+R_LOCAL_ABORT: Final[Input[ReqEnd]] = Input("LOCAL_ABORT")
+R_TIMER_LOAD_TIMEOUT: Final[Input[ReqEnd]] = Input("TIMER_LOAD_TIMEOUT")
+R_LOCAL_RELEASE: Final[Input[ReqEnd]] = Input("LOCAL_RELEASE")
+R_LOCAL_RELEASE_BUSY: Final[Input[ReqEnd]] = Input("LOCAL_RELEASE_BUSY")
+R_LOCAL_QUIESCENT: Final[Input[ReqAt]] = Input("LOCAL_QUIESCENT")
 
 # An entry that is not sound (named twice, another tp_ratio, a destination range that does
 # not fit, source ids past the layout) is isolated at once and fails the request.
 EFFECT_ACCEPT: Final = "accept"  # the readiness is read for this request (progress)
-EFFECT_ISOLATE: Final = "isolate"  # leave the request out of the read, report it alone
+# Readiness for a request that stopped waiting leaves it out of the read and reports it
+# alone, with why (one effect per state it stopped in).
+EFFECT_ISOLATE_DONE: Final = "isolate_done"  # UNKNOWN_REQUEST: it completed already
+EFFECT_ISOLATE_FAILED: Final = "isolate_failed"  # its own failure, again
+EFFECT_ISOLATE_ABORTED: Final = "isolate_aborted"  # ABORTED
+EFFECT_ISOLATE_RELEASED: Final = "isolate_released"  # ABORTED: released while a read ran
+EFFECT_COUNT_DONE: Final = "count_done"  # count a contributor's final-layer done signal
+EFFECT_READ_AGAIN: Final = "read_again"  # a retried read still writes its blocks
+EFFECT_LEAVE_READ: Final = "leave_read"  # it stopped waiting: out of the retried read
 EFFECT_PROGRESS: Final = "progress"  # a read for it succeeded: restart its load timer
 EFFECT_REPORT_DONE: Final = "report_done"  # RequestDone
 EFFECT_FAIL: Final = "fail"  # RequestFailed (load errors) + ABORT to its v2 peers
@@ -162,8 +184,14 @@ DECODE_REQUEST: Final = MachineSpec(
     outputs={
         NO_EFFECT: (),
         EFFECT_ACCEPT: (),
-        EFFECT_ISOLATE: (),
+        EFFECT_ISOLATE_DONE: (),
+        EFFECT_ISOLATE_FAILED: (),
+        EFFECT_ISOLATE_ABORTED: (),
+        EFFECT_ISOLATE_RELEASED: (),
         EFFECT_PROGRESS: (),
+        EFFECT_COUNT_DONE: (),
+        EFFECT_READ_AGAIN: (),
+        EFFECT_LEAVE_READ: (),
         EFFECT_REPORT_DONE: (RequestDone,),
         EFFECT_FAIL: (RequestFailed,),
         EFFECT_FAIL_RELEASE: (RequestFailed, Releasable),
@@ -173,7 +201,7 @@ DECODE_REQUEST: Final = MachineSpec(
     terminal=frozenset({REQ_RELEASED}),
     # A readiness, and the end of its read, concern every request it names: those inputs
     # are fired for the whole message, one table lookup per run of requests in one state.
-    batched=frozenset({R_RECV_READINESS, R_LOCAL_READ_OK}),
+    batched=frozenset({R_RECV_READINESS, R_LOCAL_READ_OK, R_LOCAL_READ_RETRY}),
     transitions=(
         {"trigger": R_LOCAL_ADVERTISE, "source": REQ_ALLOCATED, "dest": REQ_ADVERTISED},
         {
@@ -182,8 +210,11 @@ DECODE_REQUEST: Final = MachineSpec(
             "dest": REQ_RECEIVING,
             "effect": EFFECT_ACCEPT,
         },
-        # Never write into the blocks of a request that stopped waiting.
-        *stay(R_RECV_READINESS, _NOT_WAITING, EFFECT_ISOLATE),
+        # Never write into the blocks of a request that stopped waiting; tell why.
+        *stay(R_RECV_READINESS, [REQ_DONE], EFFECT_ISOLATE_DONE),
+        *stay(R_RECV_READINESS, [REQ_FAILED], EFFECT_ISOLATE_FAILED),
+        *stay(R_RECV_READINESS, [REQ_ABORTED], EFFECT_ISOLATE_ABORTED),
+        *stay(R_RECV_READINESS, [REQ_RELEASE_PENDING], EFFECT_ISOLATE_RELEASED),
         {
             "trigger": R_LOCAL_READ_OK,
             "source": REQ_RECEIVING,
@@ -192,6 +223,22 @@ DECODE_REQUEST: Final = MachineSpec(
         },
         # A read that was in flight when the request stopped waiting ends.
         *stay(R_LOCAL_READ_OK, _GIVEN_UP),
+        # A retried read writes only the blocks of the requests still receiving.
+        {
+            "trigger": R_LOCAL_READ_RETRY,
+            "source": REQ_RECEIVING,
+            "dest": REQ_RECEIVING,
+            "effect": EFFECT_READ_AGAIN,
+        },
+        *stay(R_LOCAL_READ_RETRY, _GIVEN_UP, EFFECT_LEAVE_READ),
+        # A successful read's done signals count only for the requests still receiving.
+        {
+            "trigger": R_RECV_DONE_SIGNAL,
+            "source": REQ_RECEIVING,
+            "dest": REQ_RECEIVING,
+            "effect": EFFECT_COUNT_DONE,
+        },
+        *stay(R_RECV_DONE_SIGNAL, _NOT_WAITING),
         {
             "trigger": R_LOCAL_ALL_DONE,
             "source": REQ_RECEIVING,
@@ -203,6 +250,16 @@ DECODE_REQUEST: Final = MachineSpec(
             ],
             "effect": EFFECT_REPORT_DONE,
         },
+        # A request that stopped waiting does not complete (its report was made).
+        *stay(
+            R_LOCAL_ALL_DONE,
+            _NOT_WAITING,
+            conditions=[
+                "all_contributors_reported",
+                "no_read_in_flight",
+                "no_parked_readiness_names_it",
+            ],
+        ),
         {
             "trigger": R_LOCAL_FAIL,
             "source": list(REQ_ACTIVE),
@@ -278,15 +335,15 @@ RD_PARKED: Final = "parked"
 RD_READING: Final = "reading"
 RD_REPLIED: Final = "replied"
 
-M_LOCAL_PARK: Final = "LOCAL_PARK"
-M_LOCAL_UNPARK: Final = "LOCAL_UNPARK"
-M_TIMER_PARK_EXPIRED: Final = "TIMER_PARK_EXPIRED"
-M_LOCAL_START_READ: Final = "LOCAL_START_READ"
-M_LOCAL_NOTHING_TO_READ: Final = "LOCAL_NOTHING_TO_READ"
-M_LOCAL_REFUSE: Final = "LOCAL_REFUSE"
-M_LOCAL_READ_OK: Final = "LOCAL_READ_OK"
-M_LOCAL_READ_FAILED: Final = "LOCAL_READ_FAILED"
-M_LOCAL_READ_RETRY: Final = "LOCAL_READ_RETRY"
+M_LOCAL_PARK: Final[Input[RdPark]] = Input("LOCAL_PARK")
+M_LOCAL_UNPARK: Final[Input[RdAt]] = Input("LOCAL_UNPARK")
+M_TIMER_PARK_EXPIRED: Final[Input[RdAt]] = Input("TIMER_PARK_EXPIRED")
+M_LOCAL_START_READ: Final[Input[None]] = Input("LOCAL_START_READ")
+M_LOCAL_NOTHING_TO_READ: Final[Input[None]] = Input("LOCAL_NOTHING_TO_READ")
+M_LOCAL_REFUSE: Final[Input[RdFailure]] = Input("LOCAL_REFUSE")
+M_LOCAL_READ_OK: Final[Input[None]] = Input("LOCAL_READ_OK")
+M_LOCAL_READ_FAILED: Final[Input[RdFailure]] = Input("LOCAL_READ_FAILED")
+M_LOCAL_READ_RETRY: Final[Input[None]] = Input("LOCAL_READ_RETRY")
 
 EFFECT_PARK: Final = "park"
 EFFECT_PROCESS: Final = "process"  # serve it now, its still-unknown requests isolated
@@ -388,22 +445,26 @@ SESSION_V1: Final = "ready_v1"
 SESSION_V2: Final = "ready_v2"
 SESSION_REFUSED: Final = "refused"
 
-S_RECV_MF_META_V1: Final = "RECV_MF_META_V1"
-S_RECV_MF_META_V2: Final = "RECV_MF_META_V2"
-S_RECV_MF_META_BAD_V1: Final = "RECV_MF_META_BAD_V1"
-S_RECV_MF_META_BAD_V2: Final = "RECV_MF_META_BAD_V2"
-S_RECV_READINESS: Final = "RECV_READINESS"
-S_RECV_ABORT: Final = "RECV_ABORT"
+S_RECV_MF_META_V1: Final[Input[SessHandshake]] = Input("RECV_MF_META_V1")
+S_RECV_MF_META_V2: Final[Input[SessHandshake]] = Input("RECV_MF_META_V2")
+S_RECV_MF_META_BAD_V1: Final[Input[SessHandshake]] = Input("RECV_MF_META_BAD_V1")
+S_RECV_MF_META_BAD_V2: Final[Input[SessHandshake]] = Input("RECV_MF_META_BAD_V2")
+S_RECV_READINESS: Final[Input[SessReadiness]] = Input("RECV_READINESS")
+# A parked readiness is served, out of the park, only while its session is still ready.
+S_LOCAL_UNPARKED: Final[Input[SessReadiness]] = Input("LOCAL_UNPARKED")
+S_RECV_ABORT: Final[Input[SessAbort]] = Input("RECV_ABORT")
 
 EFFECT_ACK_V1: Final = "ack_v1"
 EFFECT_ACK_V2: Final = "ack_v2"
 EFFECT_REFUSE_V1: Final = "refuse_v1"  # nothing can be said to a v1 peer: count it, no reply
 EFFECT_REFUSE_V2: Final = "refuse_v2"  # Ack carrying error_code and error
 EFFECT_SERVE: Final = "serve"  # serve the readiness (seq checks, then the layer)
+EFFECT_SERVE_UNPARKED: Final = "serve_unparked"  # serve it, its unknown requests isolated
 EFFECT_APPLY_ABORT: Final = "apply_abort"  # fail the named requests (park the unknown)
 EFFECT_DROP: Final = "drop"  # an ABORT from a peer with no usable session: count it
 EFFECT_REPLY_REFUSED: Final = "reply_refused"
 EFFECT_REPLY_UNKNOWN_SESSION: Final = "reply_unknown_session"
+EFFECT_REPLY_SESSION_GONE: Final = "reply_session_gone"  # forgotten while it was parked
 
 _ALL_SESSION_STATES: Final = [SESSION_UNBOUND, SESSION_V1, SESSION_V2, SESSION_REFUSED]
 SESSION_READY: Final = frozenset({SESSION_V1, SESSION_V2})
@@ -426,6 +487,8 @@ DECODE_SESSION: Final = MachineSpec(
         EFFECT_REFUSE_V1: (),
         EFFECT_REFUSE_V2: (Reply,),
         EFFECT_SERVE: (Reply,),  # a repeated seq answered from memory
+        EFFECT_SERVE_UNPARKED: (),
+        EFFECT_REPLY_SESSION_GONE: (),
         EFFECT_APPLY_ABORT: (),
         EFFECT_DROP: (),
         EFFECT_REPLY_REFUSED: (),
@@ -459,6 +522,11 @@ DECODE_SESSION: Final = MachineSpec(
         *stay(S_RECV_READINESS, [SESSION_V1, SESSION_V2], EFFECT_SERVE),
         *stay(S_RECV_READINESS, [SESSION_REFUSED], EFFECT_REPLY_REFUSED),
         *stay(S_RECV_READINESS, [SESSION_UNBOUND], EFFECT_REPLY_UNKNOWN_SESSION),
+        # Out of the park: a new handshake may have been refused, or the session forgotten
+        # (no record: unbound), while the readiness waited.
+        *stay(S_LOCAL_UNPARKED, [SESSION_V1, SESSION_V2], EFFECT_SERVE_UNPARKED),
+        *stay(S_LOCAL_UNPARKED, [SESSION_REFUSED], EFFECT_REPLY_REFUSED),
+        *stay(S_LOCAL_UNPARKED, [SESSION_UNBOUND], EFFECT_REPLY_SESSION_GONE),
         *stay(S_RECV_ABORT, [SESSION_V1, SESSION_V2], EFFECT_APPLY_ABORT),
         *stay(S_RECV_ABORT, [SESSION_UNBOUND, SESSION_REFUSED], EFFECT_DROP),
     ),

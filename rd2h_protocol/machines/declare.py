@@ -39,7 +39,9 @@ value, and :meth:`BoundMachine.apply` fires it with that value, which mypy check
 the input's declared type, and every handler it reaches takes ``(owner, record, ctx)``
 instead of positional arguments padded to one shape for all the inputs that reach it.
 (:meth:`BoundMachine.fire` keeps the untyped ``*args`` form for the machines not moved
-yet: see issue 25 item 3.)
+yet: see issue 25 item 3.) A typed batched input is fired with
+:meth:`BoundMachine.apply_batch` (its handlers take ``(owner, run, ctx)``), and a typed
+input for a record that may not exist with :meth:`BoundMachine.apply_react`.
 
 An endpoint machine also declares, per effect, the output types its handler may emit
 (``MachineSpec.outputs``; every effect named, :data:`NO_EFFECT` included where used): the
@@ -351,6 +353,54 @@ class BoundMachine:
                 record.state = dest
             handler(owner, run, *args)
             i = j
+
+    def apply_batch(
+        self,
+        owner: Any,
+        records: Sequence[Any],
+        event: Input[C],
+        ctx: C,
+        *,
+        error: type[ProtocolError] = LocalProtocolError,
+    ) -> None:
+        """:meth:`fire_batch` for a typed batched input: the bound handler gets
+        ``(owner, run, ctx)`` once per run, ``ctx`` of the type ``event`` declares."""
+        n = len(records)
+        i = 0
+        while i < n:
+            state = records[i].state
+            j = i + 1
+            while j < n and records[j].state == state:
+                j += 1
+            try:
+                handler, dest = self._batch_dispatch[(state, event)]
+            except KeyError:
+                raise self._miss(state, event, error, batched=True) from None
+            run = records if j - i == n else records[i:j]
+            for record in run:
+                record.state = dest
+            handler(owner, run, ctx)
+            i = j
+
+    def apply_react(
+        self,
+        owner: Any,
+        record: Any,
+        state: str,
+        event: Input[C],
+        ctx: C,
+        *,
+        error: type[ProtocolError] = LocalProtocolError,
+    ) -> None:
+        """:meth:`react` for a typed input: the bound handler gets ``(owner, record, ctx)``
+        (``record`` possibly None, ``state`` standing for its state)."""
+        try:
+            handler, dest = self._dispatch[(state, event)]
+        except KeyError:
+            raise self._miss(state, event, error, batched=False) from None
+        if dest != state:
+            raise ValueError(f"{self.spec.name}: {event} leaves {state}; use apply")
+        handler(owner, record, ctx)
 
     def react(
         self,

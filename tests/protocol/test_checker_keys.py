@@ -33,7 +33,7 @@ def _parked_form(ext: str, blocks: list[int], renaming: dict[object, object]) ->
     ep = endpoint()
     send(ep, meta(layouts={"model.layers.0.self_attn": src_layout(num_blocks=4096)}))
     assert send(ep, rrb(0, [rr(ext, blocks)], seq=0)) == []
-    (parked,) = ep._parked.values()
+    (parked,) = ep.state.parked.values()
     assert parked.packed is not None  # the entries are kept packed
     saved = canonical._AS_IS
     canonical._STRUCTS_AS_DATA[0] = True

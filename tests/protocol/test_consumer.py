@@ -29,6 +29,7 @@ from rd2h_protocol.consumer import (
     SendAbort,
     StartRead,
 )
+from rd2h_protocol.consumer.sessions import SessionEffects
 from rd2h_protocol.errors import (
     ConfigError,
     ErrorCode,
@@ -798,7 +799,7 @@ def test_memory_of_seqs_is_bounded_and_a_huge_gap_costs_nothing() -> None:
     send(ep, handshake)
     ep.add_request("r1", [5], [5], 0.0)
     send(ep, rrb(0, [rr("r1", [1])], seq=(1 << 62)))  # a gap of 2**62 seqs
-    (session,) = ep._sessions.values()
+    (session,) = ep.state.sessions.values()
     assert len(session.remembered) <= 257
     assert session.remembered_bytes <= 1 << 20
 
@@ -968,7 +969,7 @@ def test_sessions_one_connection_opens_are_bounded_in_bytes() -> None:
     big = {name: src_layout() for name in names}
     probe = endpoint()
     send(probe, meta("s00", layouts=big), peer=b"bad")
-    one = probe._sessions["s00"].held
+    one = probe.state.sessions["s00"].held
     ep = endpoint(max_session_bytes_per_peer=4 * one + one // 2, max_session_bytes=64 * one)
     send(ep, meta("good"), peer=b"good")
     for i in range(100):
@@ -980,10 +981,10 @@ def test_sessions_one_connection_opens_are_bounded_in_bytes() -> None:
     # Many connections at once: the total holds, the heaviest connections' go first.
     for i in range(80):
         send(ep, meta(f"m{i}", layouts=big), peer=f"peer{i}".encode())
-    assert ep._session_bytes <= 64 * one
+    assert ep.state.session_bytes <= 64 * one
     assert sum(1 for n in ep.sessions() if n.startswith(("m", "s"))) <= 64
     assert "m79" in ep.sessions() and not any(n.startswith("s") for n in ep.sessions())
-    assert ep._session_bytes == sum(s.held for s in ep._sessions.values())
+    assert ep.state.session_bytes == sum(s.held for s in ep.state.sessions.values())
 
 
 def test_parked_message_waits_for_all_its_requests() -> None:
@@ -1400,7 +1401,7 @@ def test_internal_table_miss_from_peer_input_never_raises(monkeypatch: pytest.Mo
     def broken(*_a: Any) -> None:
         raise LocalProtocolError("table miss")
 
-    monkeypatch.setattr(ep, "_on_readiness", broken)
+    monkeypatch.setattr(SessionEffects, "on_readiness", broken)
     assert send(ep, rrb(0, [], seq=1)) == []
     assert ep.stats.protocol_errors == 1
 
@@ -1581,7 +1582,7 @@ def test_failure_texts_are_dropped_when_the_reply_would_be_too_large(
 ) -> None:
     import rd2h_protocol.consumer.replies as replies_module
 
-    monkeypatch.setattr(replies_module, "_REPLY_TEXT_BUDGET", 10)
+    monkeypatch.setattr(replies_module, "REPLY_TEXT_BUDGET", 10)
     ep = ready()
     outs = send(ep, rrb(0, [rr("someone", [1])], seq=1))
     outs = ep.handle_timer(ep.get_timer() or 0.0)
@@ -1838,8 +1839,8 @@ def test_entries_kept_for_a_bounded_number_of_sessions() -> None:
         send(ep, meta(f"p{i}"), peer=peer)
         ep.add_request(f"r{i}", [0], [0], 0.0)
         finish(ep, send(ep, rrb(0, [rr(f"r{i}", [1])], seq=1), peer=peer))
-    assert len(ep._entry_cache) == _ENTRY_CACHE_SESSIONS
-    assert "p0" not in ep._entry_cache and f"p{len(peers) - 1}" in ep._entry_cache
+    assert len(ep.state.entry_cache) == _ENTRY_CACHE_SESSIONS
+    assert "p0" not in ep.state.entry_cache and f"p{len(peers) - 1}" in ep.state.entry_cache
 
 
 def test_kept_entries_are_checked_again_after_a_handshake_shrinks_the_layout() -> None:
@@ -1920,7 +1921,7 @@ def _spy_fast(monkeypatch: pytest.MonkeyPatch, *, disable: bool = False) -> list
         fast.append(isinstance(result, Readiness) and result.ids_below is not None)
         return result
 
-    monkeypatch.setattr(ConsumerEndpoint, "_read_frame", staticmethod(spy))
+    monkeypatch.setattr(ConsumerEndpoint, "read_frame", staticmethod(spy))
     return fast
 
 
@@ -2029,9 +2030,7 @@ def test_input_no_table_allows_closes_that_peers_session(
         if not (d["trigger"] == S_RECV_READINESS and d["source"] == SESSION_V2)
     )
     planted = replace(DECODE_SESSION, transitions=decls)
-    monkeypatch.setattr(
-        ConsumerEndpoint, "_SESSION", planted.bind(ConsumerEndpoint._SESSION.handlers)
-    )
+    monkeypatch.setattr(SessionEffects, "TABLE", planted.bind(SessionEffects.TABLE.handlers))
     ep = endpoint()
     send(ep, meta("p0"), peer=b"bad")
     send(ep, meta("p1"), peer=b"good")
@@ -2065,7 +2064,7 @@ def test_whole_shares_on_the_fast_path_equal_the_general_path(
     for general in (False, True):
         ep = ready()
         if general:
-            ep._read_frame = _general_read  # type: ignore[method-assign]
+            ep.read_frame = _general_read  # type: ignore[method-assign]
         msgs = []
         for i, (main, idx, ms, js) in enumerate(entries):
             ep.add_request(f"r{i}", list(range(100, 108)), list(range(200, 208)), 0.0)
@@ -2114,14 +2113,14 @@ def test_mixed_states_in_one_readiness_are_served_in_order_as_one_at_a_time() ->
         "adv": "receiving", "adv2": "receiving", "new": "receiving", "bad": "failed",
         "ab": "aborted",
     }  # fmt: skip
-    assert list(ep._deadlines) == ["idle", "adv", "adv2", "rcv", "rcv2", "new"]
+    assert list(ep.state.deadlines) == ["idle", "adv", "adv2", "rcv", "rcv2", "new"]
     reply = replies(finish(ep, outs, now=2.0))[0]
     assert [(f.ext_req_id, f.code) for f in reply.failed] == [
         ("bad", ErrorCode.DESTINATION_RANGE),
         ("gone", ErrorCode.UNKNOWN_REQUEST),
         ("ab", ErrorCode.ABORTED),
     ]
-    assert ep._deadlines == {
+    assert ep.state.deadlines == {
         "idle": ep.config.kv_load_timeout_s,
         **dict.fromkeys(["adv", "adv2", "rcv", "rcv2", "new"], 2.0 + ep.config.kv_load_timeout_s),
     }

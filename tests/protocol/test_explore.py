@@ -31,6 +31,7 @@ from rd2h_protocol.consumer import (
     RequestFailed,
     StartRead,
 )
+from rd2h_protocol.consumer.parking import Parking
 from rd2h_protocol.errors import ErrorCode, TransferError
 from rd2h_protocol.events import Chunk
 from rd2h_protocol.machines.declare import TransitionDecl
@@ -262,7 +263,7 @@ def plant_first_contributor_completes(monkeypatch: pytest.MonkeyPatch) -> None:
 def unfix_parked_completion(monkeypatch: pytest.MonkeyPatch) -> None:
     """The bug the state machine found, put back: a parked readiness does not hold up the
     completion of the requests it names."""
-    monkeypatch.setattr(ConsumerEndpoint, "_named_by_parked", lambda self, ext: False)
+    monkeypatch.setattr(Parking, "named_by_parked", lambda self, ext: False)
 
 
 def plant_claim_window_never_armed(monkeypatch: pytest.MonkeyPatch) -> None:

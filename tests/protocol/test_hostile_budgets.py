@@ -19,7 +19,7 @@ from test_producer import endpoint as producer
 
 from rd2h_protocol.claim import MalformedClaim, decode_claim, decode_claim_answer
 from rd2h_protocol.consumer import ConsumerEndpoint
-from rd2h_protocol.consumer.held import _VALIDATED_BYTES, _layouts_cost
+from rd2h_protocol.consumer.held import VALIDATED_BYTES, layouts_cost
 from rd2h_protocol.errors import ConfigError, ErrorCode
 from rd2h_protocol.producer.config import SILENT_FLOOR_S
 from rd2h_protocol.rendezvous import MalformedRendezvous, parse_rendezvous_json
@@ -87,12 +87,12 @@ def flooded() -> Iterator[tuple[ConsumerEndpoint, int, int, int]]:
         gc.collect()
         held, _ = tracemalloc.get_traced_memory()
         ids = sum(map(len, ep.parked().values()))
-        accounted = ep._parked_bytes
+        accounted = ep.state.parked_bytes
         ep.handle_timer(ep.config.park_timeout_s)  # (the replies are dropped at once)
         # What parking held, alone: the session's last entries and its reply memory are
         # kept under budgets of their own.
-        ep._entry_cache.clear()
-        ep._sessions["bad"].remembered.clear()
+        ep.state.entry_cache.clear()
+        ep.state.sessions["bad"].remembered.clear()
         gc.collect()
         left, _ = tracemalloc.get_traced_memory()
     finally:
@@ -116,7 +116,7 @@ def test_the_memory_of_a_flood_goes_back_when_it_leaves(
     flooded: tuple[ConsumerEndpoint, int, int, int, int],
 ) -> None:
     ep, held, _, left, _ = flooded
-    assert ep.parked() == {} and ep._parked_bytes == 0 and not ep._parked_bytes_by_session
+    assert ep.parked() == {} and ep.state.parked_bytes == 0 and not ep.state.parked_bytes_by_session
     assert ep.stats.park_expired == 2
     assert left < 0.05 * held, (left, held)  # the index's table too, not only its entries
 
@@ -132,16 +132,16 @@ def test_a_flooding_session_holds_at_most_its_share_in_bytes() -> None:
         for frame in frames:
             ep.receive(BAD, frame, 0.0)
         # (kept under budgets of their own: the last entries, the reply memory)
-        ep._entry_cache.clear()
-        ep._sessions["bad"].remembered.clear()
+        ep.state.entry_cache.clear()
+        ep.state.sessions["bad"].remembered.clear()
 
     held = held_after(flood)
-    assert 0 < ep._parked_bytes_by_session["bad"] <= budget
+    assert 0 < ep.state.parked_bytes_by_session["bad"] <= budget
     assert held <= budget, held
     assert ep.stats.park_budget_refusals == 8 - len(ep.parked())
     # The others still park (and are served when their request comes).
     assert send(ep, rrb(0, [rr("g1", [7])], seq=0), peer=b"good") == []
-    assert ep._parked_bytes_by_session["good"] > 0
+    assert ep.state.parked_bytes_by_session["good"] > 0
 
 
 def test_parked_aborts_are_charged_in_bytes_too() -> None:
@@ -149,12 +149,12 @@ def test_parked_aborts_are_charged_in_bytes_too() -> None:
     send(ep, meta("bad"), peer=BAD)
     ids = [f"gone-{i}" for i in range(4096)]
     held = held_after(lambda: ep.receive(BAD, encode(Abort(ext_ids=ids, reason="x")), 0.0))
-    assert held <= ep._parked_bytes <= 2 * held
+    assert held <= ep.state.parked_bytes <= 2 * held
     assert held / len(ids) < 200
     # Resolved one by one, it leaves no residue.
     for ext in ids:
         ep.abort([ext], "retired", 1.0)
-    assert ep.parked() == {} and ep._parked_bytes == 0 and ep._waiting == {}
+    assert ep.parked() == {} and ep.state.parked_bytes == 0 and ep.state.waiting == {}
 
 
 def test_a_parked_readiness_is_served_as_it_was_received() -> None:
@@ -226,7 +226,7 @@ def churned(ep: ConsumerEndpoint, frames: list[bytes]) -> int:
         for frame in frames:
             ep.receive(BAD, frame, 0.0)
         ep.handle_timer(ep.config.park_timeout_s)
-        ep._retired.clear()
+        ep.state.retired.clear()
 
     return held_after(flood)
 
@@ -237,14 +237,14 @@ def test_what_sessions_hold_is_what_they_are_charged() -> None:
     # (not charged). Now all of it is charged, as an upper bound close to what is held.
     ep = endpoint(max_session_bytes=1 << 40, max_session_bytes_per_peer=1 << 40)
     held = churned(ep, churn_frames(70))
-    assert len(ep.sessions()) == 70 and len(ep._entry_cache) == 64
-    assert ep._session_bytes == sum(s.held for s in ep._sessions.values())
-    assert held <= ep._session_bytes <= 1.5 * held, (held, ep._session_bytes)
+    assert len(ep.sessions()) == 70 and len(ep.state.entry_cache) == 64
+    assert ep.state.session_bytes == sum(s.held for s in ep.state.sessions.values())
+    assert held <= ep.state.session_bytes <= 1.5 * held, (held, ep.state.session_bytes)
     # A 256-layer handshake keeps the layouts of this rank's layers only.
-    (session, *_) = ep._sessions.values()
-    assert set(session.layers) <= set(ep._by_name)
-    validated = _VALIDATED_BYTES * len(session.validated)
-    assert session.layout_bytes == _layouts_cost(session.layers) + validated
+    (session, *_) = ep.state.sessions.values()
+    assert set(session.layers) <= set(ep.state.by_name)
+    validated = VALIDATED_BYTES * len(session.validated)
+    assert session.layout_bytes == layouts_cost(session.layers) + validated
 
 
 def test_a_churning_peer_holds_at_most_its_budget_and_the_others_keep_theirs() -> None:
@@ -254,11 +254,11 @@ def test_a_churning_peer_holds_at_most_its_budget_and_the_others_keep_theirs() -
     ep.add_request("g1", [5], [5], 0.0)
     send(ep, rrb(0, [rr("g1", [7])], seq=0), peer=b"good")
     held = churned(ep, churn_frames(30))
-    assert ep._session_bytes_by_origin[BAD] <= budget
-    assert held <= budget + ep._sessions["good"].held, held
+    assert ep.state.session_bytes_by_origin[BAD] <= budget
+    assert held <= budget + ep.state.sessions["good"].held, held
     assert ep.stats.entries_dropped > 0
     # the good session and its kept entries stay
-    assert "good" in ep.sessions() and "good" in ep._entry_cache
+    assert "good" in ep.sessions() and "good" in ep.state.entry_cache
     # Beyond max_sessions the churning connection's own sessions go, nobody else's.
     small = endpoint(max_sessions=8)
     send(small, meta("good"), peer=b"good")
@@ -273,7 +273,7 @@ def test_the_reply_memory_is_charged_in_bytes_held() -> None:
     handshake = meta("p")
     handshake.first_seq = 0
     send(ep, handshake, peer=BAD)
-    session = ep._sessions["p"]
+    session = ep.state.sessions["p"]
     before = session.held
 
     def resent_failures() -> None:

@@ -8,6 +8,7 @@ import inspect
 
 import pytest
 
+from rd2h_protocol.consumer import ConsumerEndpoint
 from rd2h_protocol.machines.declare import NO_EFFECT, BoundMachine, Input, no_effect
 from rd2h_protocol.machines.producer import P_SEND_READINESS
 from rd2h_protocol.producer.handshakes import ConnectionEffects
@@ -21,13 +22,16 @@ def test_input_is_its_name_at_run_time() -> None:
     assert Input("X") == "X" and type(Input("X")) is str
 
 
-#: The machines moved to typed inputs so far.
+#: Every endpoint machine: each takes typed inputs.
 TYPED: tuple[BoundMachine, ...] = (
     PublicationEffects.TABLE,
     ConnectionEffects.TABLE,
     RequestEffects.TABLE,
     KeptEffects.TABLE,
     GateEffects.TABLE,
+    ConsumerEndpoint.REQUEST,
+    ConsumerEndpoint.READINESS,
+    ConsumerEndpoint.SESSION,
 )
 
 
