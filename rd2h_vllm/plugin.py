@@ -73,9 +73,9 @@ def register() -> None:
     """
     global _registered_by_us
     if os.environ.get("RD2H_BOUND_NIXL_PROGRESS") == "1":
-        from rd2h_runtime.transfer.nixl_backend import _import_nixl
+        from rd2h_runtime.transfer.nixl_backend import import_nixl
 
-        _import_nixl()  # swaps in the bounded agent config, once per process
+        import_nixl()  # swaps in the bounded agent config, once per process
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
     _log_through_vllm()

@@ -107,7 +107,7 @@ from typing import Any, Final, TypeAlias
 import msgspec
 
 from rd2h_protocol.checker.model import CLAIM_KINDS, Frame
-from rd2h_protocol.checker.snapshot import _connection_of, _share
+from rd2h_protocol.checker.snapshot import connection_of, share
 from rd2h_protocol.checker.symmetry import renamings
 from rd2h_protocol.checker.world import World
 from rd2h_protocol.claim import decode_claim, decode_claim_answer
@@ -195,7 +195,7 @@ _SKIP: Final[dict[str, frozenset[str]]] = {
         {"validated", "remembered", "remembered_bytes", "held", "layout_bytes"}
     ),
     # A request's spec and block ids never change; its key says which request it is.
-    "rd2h_protocol.checker.model._Req": frozenset({"spec", "pmain", "pidx", "dmain", "didx"}),
+    "rd2h_protocol.checker.model.Req": frozenset({"spec", "pmain", "pidx", "dmain", "didx"}),
     "rd2h_protocol.completion.ContributorSet": frozenset({"duplicates"}),
     "rd2h_protocol.completion.CrossRankCompletion": frozenset(
         {"stats", "world_size", "max_unmapped", "unmapped_timeout_s", "collect_timeout_s"}
@@ -289,10 +289,10 @@ def _canon_struct(obj: Any) -> _Canon:
 
 
 def _canon_shared_struct(obj: Any) -> _Canon:
-    # Layouts are shared between snapshots (see _DISPATCH) and never change.
+    # Layouts are shared between snapshots (see DISPATCH) and never change.
     form = _SHARED_FORMS.get(id(obj))
     if form is None:
-        _share(("form", id(obj)), obj)  # keep it alive: its id stays its own
+        share(("form", id(obj)), obj)  # keep it alive: its id stays its own
         form = _SHARED_FORMS[id(obj)] = msgspec.msgpack.encode(obj)
     return form
 
@@ -307,7 +307,7 @@ def _canon_world(world: Any) -> _Canon:
     reads = _sorted([((e, d), _canon(r)) for (e, d, _), r in world.reads.items()])
     # Write versions are for the traces only: what a block holds is (layer, owners).
     pmem = _sorted([(k, (v[0], _canon(v[2]))) for k, v in world.pmem.items()])
-    network = tuple([_canon_frame(f) for f in sorted(world.network, key=_connection_of)])
+    network = tuple([_canon_frame(f) for f in sorted(world.network, key=connection_of)])
     # What the checks remember about a request matters only while it lives: once Decode
     # released (or abandoned) it and every Prefill rank finished it, its history is moot.
     live_decode = {x for x, r in world.reqs.items() if not r.released and not r.abandoned}

@@ -17,13 +17,13 @@ from collections.abc import Iterator, Sequence
 from dataclasses import replace
 
 from rd2h_protocol.checker.configs import (
-    _FAULTS,
     CONFIGS,
     DESIGNED_STATES,
+    FAULTS,
     VARIANT_STATES,
     max_states_of,
 )
-from rd2h_protocol.checker.explore import ExploreResult, Options, _explore_star
+from rd2h_protocol.checker.explore import ExploreResult, Options, explore_star
 from rd2h_protocol.checker.model import WorldConfig
 
 __all__ = ["main"]
@@ -155,8 +155,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     overrides: dict[str, int] = {}
     for item in args.budget:
         fault, _, count = item.partition("=")
-        if fault not in _FAULTS or not count.isdigit():
-            parser.error(f"--budget expects FAULT=N with FAULT in {', '.join(_FAULTS)}: {item!r}")
+        if fault not in FAULTS or not count.isdigit():
+            parser.error(f"--budget expects FAULT=N with FAULT in {', '.join(FAULTS)}: {item!r}")
         overrides[fault] = int(count)
     if args.list:
         for name, cfg in CONFIGS.items():
@@ -182,10 +182,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     failed = 0
     incomplete = 0
     with contextlib.ExitStack() as stack:
-        results: Iterator[ExploreResult] = map(_explore_star, work)
+        results: Iterator[ExploreResult] = map(explore_star, work)
         if jobs > 1:
             pool = stack.enter_context(multiprocessing.get_context("fork").Pool(jobs))
-            results = pool.imap(_explore_star, work)  # in order, each as soon as it can
+            results = pool.imap(explore_star, work)  # in order, each as soon as it can
         for bound in bounds:
             result = next(results)
             _report(result, bound)

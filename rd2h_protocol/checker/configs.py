@@ -209,7 +209,7 @@ def max_states_of(name: str) -> int:
     return _VARIANT_BOUNDS.get(name.split("+")[0], VARIANT_STATES)
 
 
-_FAULTS: Final = (
+FAULTS: Final = (
     "drop",
     "dup",
     "abort",

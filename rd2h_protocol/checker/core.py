@@ -38,12 +38,12 @@ from rd2h_protocol.checker.model import (
     INDEXER_ID_OFFSET,
     NUM_DECODE_BLOCKS,
     Frame,
+    Read,
+    Req,
     RequestSpec,
-    _decode_bases,
-    _frame_kind,
-    _prefill_bases,
-    _Read,
-    _Req,
+    decode_bases,
+    frame_kind,
+    prefill_bases,
 )
 from rd2h_protocol.checker.state import WorldState
 from rd2h_protocol.claim import (
@@ -110,9 +110,7 @@ class WorldCore(WorldState):
         # Decode ids in reverse logical order, so a wrong offset cannot go unnoticed.
         dmain = list(range(dstart + total - 1, dstart - 1, -1))
         didx = list(range(dstart + 2 * total - 1, dstart + total - 1, -1))
-        self.reqs[spec.ext_id] = _Req(
-            spec, pmain, pidx, dmain, didx, self._engine_gens[spec.engine]
-        )
+        self.reqs[spec.ext_id] = Req(spec, pmain, pidx, dmain, didx, self._engine_gens[spec.engine])
 
     def may_decode_add(self, ext: str) -> bool:
         """Whether Decode may allocate ``ext`` now: a Prefill-first request only once every
@@ -267,7 +265,7 @@ class WorldCore(WorldState):
         if rank.computing or self._kept:
             owners = owners | frozenset(prod.kept()) | frozenset(rank.computing)
         footprint.touch(footprint.storage_write(rank.session))
-        for base in _prefill_bases(layer % self.cfg.n_storages):
+        for base in prefill_bases(layer % self.cfg.n_storages):
             self.pmem[(rank.session, base)] = (layer, self._version, owners)
         self._producer_outputs(p, prod.layer_written(layer, self.now))
         rank.next_layer += 1
@@ -379,7 +377,7 @@ class WorldCore(WorldState):
                         encode(msg),
                         self.now,
                         deliver_by,
-                        _frame_kind(msg),
+                        frame_kind(msg),
                     )
                 )
             elif isinstance(o, Disconnect):
@@ -414,12 +412,12 @@ class WorldCore(WorldState):
                             encode(msg),
                             self.now,
                             None,
-                            _frame_kind(msg),
+                            frame_kind(msg),
                         )
                     )
             elif isinstance(o, StartRead):
                 layer = self.static.layer_index[o.plan.layer_name]
-                self.reads[(e, d, o.plan.read_id)] = _Read(o.plan, o.start_by, layer)
+                self.reads[(e, d, o.plan.read_id)] = Read(o.plan, o.start_by, layer)
             elif isinstance(o, RequestDone):
                 self._terminal_report(e, d, o.ext_req_id, "done")
                 self._check_done_on_rank(e, d, o.ext_req_id)
@@ -432,7 +430,7 @@ class WorldCore(WorldState):
 
     def _answered(self, e: int, d: int, peer: bytes, msg: ReadDone | ReadFailed) -> None:
         """A reply: the done signals of the readiness it answers count if its read succeeded."""
-        key = (e, d, peer, _reply_key(msg))
+        key = (e, d, peer, reply_key(msg))
         waiting = self._readiness.get(key)
         if not waiting:
             return
@@ -458,11 +456,11 @@ class WorldCore(WorldState):
         self._check_data(e, d, req, (2, 3), req.didx)
 
     def _check_data(
-        self, e: int, rank: int, req: _Req, comps: tuple[int, ...], ids: list[int]
+        self, e: int, rank: int, req: Req, comps: tuple[int, ...], ids: list[int]
     ) -> None:
         ext = req.spec.ext_id
         for layer in range(self.cfg.n_layers):
-            bases = _decode_bases(layer)
+            bases = decode_bases(layer)
             for c in comps:
                 for j, blk in enumerate(ids):
                     got = self.dmem.get((e, rank, bases[c], blk))
@@ -567,7 +565,7 @@ class WorldCore(WorldState):
         return {self.conn_name(e, d): cons for (e, d), cons in self.consumers.items()}
 
 
-def _reply_key(msg: ReadReadyBatch | ReadDone | ReadFailed) -> int | str:
+def reply_key(msg: ReadReadyBatch | ReadDone | ReadFailed) -> int | str:
     """What a reply echoes of its readiness: the seq, or (v1 shapes) the layer."""
     return msg.seq if msg.seq is not None else f"layer {msg.layer_idx}"
 

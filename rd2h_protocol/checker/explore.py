@@ -400,6 +400,6 @@ class Options:
     inherited_forms: bool = True
 
 
-def _explore_star(job: tuple[str, WorldConfig, int, Options]) -> ExploreResult:
+def explore_star(job: tuple[str, WorldConfig, int, Options]) -> ExploreResult:
     name, cfg, max_states, options = job
     return explore(name, cfg, max_states=max_states, **asdict(options))

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 from rd2h_protocol.checker import footprint
 from rd2h_protocol.checker.invariants import InvariantViolation
-from rd2h_protocol.checker.model import GARBAGE, Value, _Req
+from rd2h_protocol.checker.model import GARBAGE, Req, Value
 from rd2h_protocol.checker.network import NetworkWorld
 from rd2h_protocol.errors import ErrorCode, TransferError
 from rd2h_protocol.plan import ComponentAddrs, ReadPlan
@@ -81,7 +81,7 @@ class MemoryWorld(NetworkWorld):
         mem_rank: int,
         comp: ComponentAddrs,
         blocks: tuple[Sequence[int], Sequence[int]],
-        req: _Req,
+        req: Req,
         layer: int,
         plan: ReadPlan,
     ) -> None:

@@ -50,7 +50,7 @@ GARBAGE: Final = ("garbage",)
 Addr: TypeAlias = tuple[str, str]  # ("P", session) or ("D", "host:port")
 Action: TypeAlias = tuple[object, ...]
 Value: TypeAlias = tuple[object, ...]
-_ReplyKey: TypeAlias = tuple[int, int, bytes, int | str]  # engine, rank, peer, seq or layer
+ReplyKey: TypeAlias = tuple[int, int, bytes, int | str]  # engine, rank, peer, seq or layer
 
 
 class Frame(NamedTuple):
@@ -167,7 +167,7 @@ class WorldConfig:
 
 
 @dataclass(slots=True)
-class _Req:
+class Req:
     spec: RequestSpec
     pmain: list[int]
     pidx: list[int]
@@ -185,7 +185,7 @@ class _Req:
 
 
 @dataclass(slots=True)
-class _Rank:
+class Rank:
     session: str
     next_layer: int = 0
     chunks: dict[str, int] = field(default_factory=dict)  # ext id -> chunks scheduled
@@ -195,7 +195,7 @@ class _Rank:
 
 
 @dataclass(slots=True)
-class _Read:
+class Read:
     plan: ReadPlan
     start_by: float | None
     layer: int
@@ -206,22 +206,22 @@ def layer_name(layer: int) -> str:
     return f"model.layers.{layer}.self_attn"
 
 
-def _prefill_bases(storage: int) -> tuple[int, ...]:
+def prefill_bases(storage: int) -> tuple[int, ...]:
     base = (storage + 1) << 40
     return tuple(base + i * _COMPONENT_SPAN for i in range(len(COMPONENTS)))
 
 
-def _decode_bases(layer: int) -> tuple[int, ...]:
+def decode_bases(layer: int) -> tuple[int, ...]:
     base = (layer + 1) << 48
     return tuple(base + i * _COMPONENT_SPAN for i in range(len(COMPONENTS)))
 
 
-def _frame_kind(msg: Message) -> str:
+def frame_kind(msg: Message) -> str:
     return type(msg).__name__
 
 
 @dataclass
-class _Static:
+class Static:
     """What a world derives from its config once and never changes (shared by snapshots)."""
 
     prefill_layers: list[tuple[str, LayerLayout]]

@@ -26,7 +26,7 @@ subclass may replace with a real transport (with ``transmit`` of
 from __future__ import annotations
 
 from rd2h_protocol.checker import footprint
-from rd2h_protocol.checker.core import WorldCore, _reply_key
+from rd2h_protocol.checker.core import WorldCore, reply_key
 from rd2h_protocol.checker.model import CLAIM_KINDS, CLAIMS, Addr
 from rd2h_protocol.wire.codec import decode
 from rd2h_protocol.wire.messages import ReadReadyBatch
@@ -69,7 +69,7 @@ class NetworkWorld(WorldCore):
             if f.kind == "ReadReadyBatch":
                 msg = decode(f.data)
                 assert isinstance(msg, ReadReadyBatch)
-                key = (e, d, peer, _reply_key(msg))
+                key = (e, d, peer, reply_key(msg))
                 self._readiness.setdefault(key, []).append(
                     (msg.group_member_idx, tuple(msg.done_ext_ids))
                 )

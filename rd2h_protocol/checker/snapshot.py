@@ -1,7 +1,7 @@
 """A world as bytes: the snapshots the explorer keeps, and what a state pickle leaves out.
 
 :meth:`World.snapshot <rd2h_protocol.checker.world.World.snapshot>` pickles the whole
-world with :data:`_DISPATCH` as the pickler's dispatch table. Counters that never
+world with :data:`DISPATCH` as the pickler's dispatch table. Counters that never
 influence behaviour are left out (they come back as zeros), configurations and layouts
 are shared rather than copied (every snapshot refers to one object kept here), and plain
 dataclasses are rebuilt positionally (fast), so that states reached along different paths
@@ -34,12 +34,12 @@ import rd2h_protocol.producer.records as producer_records_module
 from rd2h_protocol.checker.model import (
     Addr,
     Frame,
+    Rank,
+    Read,
+    Req,
     RequestSpec,
+    Static,
     WorldConfig,
-    _Rank,
-    _Read,
-    _Req,
-    _Static,
 )
 from rd2h_protocol.completion import CompletionStats
 from rd2h_protocol.consumer import ConsumerConfig, ConsumerEndpoint, ConsumerStats
@@ -59,7 +59,7 @@ def _shared(index: int) -> object:
     return _SHARED[index]
 
 
-def _share(key: object, obj: object) -> int:
+def share(key: object, obj: object) -> int:
     index = _SHARED_INDEX.get(key)
     if index is None:
         index = _SHARED_INDEX[key] = len(_SHARED)
@@ -74,7 +74,7 @@ def _by_identity(obj: object) -> tuple[Callable[..., object], tuple[object, ...]
     # registry keeps them alive, so an id is never reused for another object.
     index = _SHARED_BY_ID.get(id(obj))
     if index is None or _SHARED[index] is not obj:
-        index = _share(("id", id(obj)), obj)
+        index = share(("id", id(obj)), obj)
     return _shared, (index,)
 
 
@@ -83,7 +83,7 @@ def _by_content(obj: object) -> tuple[Callable[..., object], tuple[object, ...]]
     # Once shared, an object is found by its id (snapshots hand back the shared one).
     index = _SHARED_BY_ID.get(id(obj))
     if index is None or _SHARED[index] is not obj:
-        index = _share((type(obj).__name__, msgspec.msgpack.encode(obj)), obj)
+        index = share((type(obj).__name__, msgspec.msgpack.encode(obj)), obj)
     return _shared, (index,)
 
 
@@ -171,7 +171,7 @@ def _dispatch_table() -> dict[type, _Reducer]:
             ProducerConfig: _by_identity,
             ConsumerConfig: _by_identity,
             WorldConfig: _by_identity,
-            _Static: _by_identity,
+            Static: _by_identity,
             MfMeta: _by_content,
             LayerLayout: _by_content,
             DestinationLayout: _by_content,
@@ -197,17 +197,17 @@ def _dispatch_table() -> dict[type, _Reducer]:
                 reducer = _positional(value)
                 if reducer is not None:
                     table[value] = reducer
-    for cls in (_Req, _Rank, _Read, RequestSpec):
+    for cls in (Req, Rank, Read, RequestSpec):
         reducer = _positional(cls)
         assert reducer is not None
         table[cls] = reducer
     return table
 
 
-_DISPATCH: Final = _dispatch_table()
+DISPATCH: Final = _dispatch_table()
 
 
-def _connection_of(frame: Frame) -> tuple[Addr, Addr]:
+def connection_of(frame: Frame) -> tuple[Addr, Addr]:
     return frame.src, frame.dst
 
 

@@ -23,16 +23,16 @@ from rd2h_protocol.checker.model import (
     NUM_PREFILL_BLOCKS,
     PORTS_PER_ENGINE,
     Frame,
+    Rank,
+    Read,
+    ReplyKey,
+    Req,
+    Static,
     Value,
     WorldConfig,
-    _decode_bases,
-    _prefill_bases,
-    _Rank,
-    _Read,
-    _ReplyKey,
-    _Req,
-    _Static,
+    decode_bases,
     layer_name,
+    prefill_bases,
 )
 from rd2h_protocol.completion import CrossRankCompletion
 from rd2h_protocol.consumer import (
@@ -47,7 +47,7 @@ from rd2h_protocol.producer import (
 from rd2h_protocol.wire.layout import ComponentDest, DestinationLayout, LayerLayout
 
 __all__ = ["WorldState"]
-_STATICS: dict[int, _Static] = {}
+_STATICS: dict[int, Static] = {}
 
 
 def _destination(parts: list[ComponentDest]) -> DestinationLayout:
@@ -56,7 +56,7 @@ def _destination(parts: list[ComponentDest]) -> DestinationLayout:
     return DestinationLayout((k, v), indexer, scale)
 
 
-def _static_of(cfg: WorldConfig) -> _Static:
+def _static_of(cfg: WorldConfig) -> Static:
     static = _STATICS.get(id(cfg))
     if static is not None:
         return static
@@ -64,7 +64,7 @@ def _static_of(cfg: WorldConfig) -> _Static:
         (
             layer_name(layer),
             LayerLayout(
-                base_addrs=list(_prefill_bases(layer % cfg.n_storages)),
+                base_addrs=list(prefill_bases(layer % cfg.n_storages)),
                 block_len=list(BLOCK_LEN),
                 tensor_group_idx=[0, 0, 1, 1],
                 num_blocks=NUM_PREFILL_BLOCKS,
@@ -78,7 +78,7 @@ def _static_of(cfg: WorldConfig) -> _Static:
             _destination(
                 [
                     ComponentDest(base, size, NUM_DECODE_BLOCKS)
-                    for base, size in zip(_decode_bases(layer), BLOCK_LEN, strict=True)
+                    for base, size in zip(decode_bases(layer), BLOCK_LEN, strict=True)
                 ]
             ),
         )
@@ -89,7 +89,7 @@ def _static_of(cfg: WorldConfig) -> _Static:
         for e, d_tp in enumerate(cfg.engines)
         for d in range(d_tp)
     }
-    static = _Static(prefill, decode, {name: i for i, (name, _) in enumerate(decode)}, conn_rank)
+    static = Static(prefill, decode, {name: i for i, (name, _) in enumerate(decode)}, conn_rank)
     _CONFIGS.setdefault((id(cfg), "W", 0, None), cfg)  # keeps cfg, so its id stays its own
     _STATICS[id(cfg)] = static
     return static
@@ -117,12 +117,12 @@ class WorldState:
         self.budgets: dict[str, int] = dict(cfg.budgets)
         self.static = _static_of(cfg)
         # Prefill side.
-        self.ranks: list[_Rank] = []
+        self.ranks: list[Rank] = []
         self.producers: list[ProducerEndpoint] = []
         self._gens: list[int] = []
         for p in range(cfg.p_tp):
             self._gens.append(0)
-            self.ranks.append(_Rank(f"p{p}.0"))
+            self.ranks.append(Rank(f"p{p}.0"))
             self.producers.append(self._new_producer(p, f"p{p}.0"))
         # Decode side.
         self.consumers: dict[tuple[int, int], ConsumerEndpoint] = {}
@@ -137,12 +137,12 @@ class WorldState:
                 self.consumers[(e, d)] = self._new_consumer(d, d_tp)
         # Network, reads, memory.
         self.network: list[Frame] = []
-        self.reads: dict[tuple[int, int, int], _Read] = {}
+        self.reads: dict[tuple[int, int, int], Read] = {}
         self.pmem: dict[tuple[str, int], tuple[int, int, frozenset[str]]] = {}
         self.dmem: dict[tuple[int, int, int, int], Value] = {}
         self._version = 0
         # Requests and what the checks remember.
-        self.reqs: dict[str, _Req] = {}
+        self.reqs: dict[str, Req] = {}
         self._powner: dict[int, tuple[str, int]] = {}
         self._next_pblock = FIRST_PREFILL_BLOCK
         self._next_dblock = FIRST_DECODE_BLOCK  # one range for every engine: ids stay unique
@@ -150,7 +150,7 @@ class WorldState:
         self._delivered: dict[tuple[int, int, str], set[int]] = {}
         # Readiness delivered and not answered yet, by what the reply will echo: its seq, or
         # (v1 shapes) its layer; (member, done ids) in the order they arrived.
-        self._readiness: dict[_ReplyKey, list[tuple[int, tuple[str, ...]]]] = {}
+        self._readiness: dict[ReplyKey, list[tuple[int, tuple[str, ...]]]] = {}
         self._released: set[tuple[int, int, str]] = set()
         self._prefill_finished: set[tuple[str, str]] = set()
         self._aborted_to: set[tuple[str, str, str]] = set()

@@ -68,11 +68,11 @@ from rd2h_protocol.checker.model import (
     CLAIMS,
     Action,
     Frame,
+    Rank,
     RequestSpec,
     WorldConfig,
-    _Rank,
 )
-from rd2h_protocol.checker.snapshot import _DISPATCH, _connection_of
+from rd2h_protocol.checker.snapshot import DISPATCH, connection_of
 from rd2h_protocol.claim import decode_claim, decode_claim_answer
 from rd2h_protocol.completion import CrossRankCompletion
 from rd2h_protocol.errors import ErrorCode
@@ -144,7 +144,7 @@ class World(TimedWorld):
             self._kept = {k: v for k, v in self._kept.items() if k[0] != old}
         self._gens[p] += 1
         session = f"p{p}.{self._gens[p]}"
-        self.ranks[p] = _Rank(session)
+        self.ranks[p] = Rank(session)
         self.producers[p] = self._new_producer(p, session)
         self.pmem = {k: v for k, v in self.pmem.items() if k[0] != old}
 
@@ -374,10 +374,10 @@ class World(TimedWorld):
         connection (their order across connections means nothing), so that states reached
         along different paths merge and a snapshot stays small.
         """
-        self.network.sort(key=_connection_of)
+        self.network.sort(key=connection_of)
         buf = io.BytesIO()
         pickler = pickle.Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL)
-        pickler.dispatch_table = _DISPATCH
+        pickler.dispatch_table = DISPATCH
         pickler.dump(self)
         return buf.getvalue()
 

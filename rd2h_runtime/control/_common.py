@@ -13,7 +13,7 @@ from rd2h_protocol.errors import ConfigError, ProtocolError
 from rd2h_protocol.wire.messages import MAX_FRAME_BYTES
 
 # Bytes charged per queued inbound frame beyond its payload (the objects that carry it).
-_FRAME_OVERHEAD: Final = 256
+FRAME_OVERHEAD: Final = 256
 
 # ZMQ_HEARTBEAT_TTL travels in deciseconds in a 16-bit field: 6553.5 s is its ceiling.
 _MAX_HEARTBEAT_TTL_S: Final = 6553.5
@@ -100,10 +100,10 @@ class ControlOptions:
         # Budgets left out follow max_frame_bytes, so raising that one alone stays valid.
         if self.peer_inbound_bytes is None:
             object.__setattr__(
-                self, "peer_inbound_bytes", 3 * (self.max_frame_bytes + _FRAME_OVERHEAD) // 2
+                self, "peer_inbound_bytes", 3 * (self.max_frame_bytes + FRAME_OVERHEAD) // 2
             )
         if self.inbound_bytes is None:
-            object.__setattr__(self, "inbound_bytes", 16 * (self.max_frame_bytes + _FRAME_OVERHEAD))
+            object.__setattr__(self, "inbound_bytes", 16 * (self.max_frame_bytes + FRAME_OVERHEAD))
         positive = {
             "heartbeat_ivl_s": self.heartbeat_ivl_s,
             "heartbeat_timeout_s": self.heartbeat_timeout_s,
@@ -141,7 +141,7 @@ class ControlOptions:
                 f"got {self.heartbeat_ttl_s!r}"
             )
         # A legal frame that fits no budget could never be delivered.
-        floor = self.max_frame_bytes + _FRAME_OVERHEAD
+        floor = self.max_frame_bytes + FRAME_OVERHEAD
         for name, value in (
             ("peer_inbound_bytes", self.peer_inbound_bytes),
             ("inbound_bytes", self.inbound_bytes),
@@ -149,7 +149,7 @@ class ControlOptions:
             if value < floor:
                 raise ConfigError(
                     f"ControlOptions.{name} must hold one frame of max_frame_bytes "
-                    f"({self.max_frame_bytes} + {_FRAME_OVERHEAD} bytes), got {value!r}"
+                    f"({self.max_frame_bytes} + {FRAME_OVERHEAD} bytes), got {value!r}"
                 )
         if self.reconnect_ivl_max_s < self.reconnect_ivl_s:
             raise ConfigError(

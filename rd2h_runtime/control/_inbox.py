@@ -28,8 +28,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Generic, Literal, TypeVar
 
-from rd2h_runtime.control._common import _FRAME_OVERHEAD as FRAME_OVERHEAD
-from rd2h_runtime.control._common import wait_for_items
+from rd2h_runtime.control._common import FRAME_OVERHEAD, wait_for_items
 
 E = TypeVar("E")
 

@@ -68,7 +68,7 @@ def ipaddress_is_loopback(host: str) -> bool:
         return False
 
 
-def _import_nixl() -> tuple[Any, Any]:
+def import_nixl() -> tuple[Any, Any]:
     """NIXL's ``nixl_agent`` and ``nixl_agent_config`` classes."""
     global _package
     # UCX probes InfiniBand when loaded; on hosts without it both processes crash at exit
@@ -182,7 +182,7 @@ class NixlBackend(TransferBackend):
             # host's external interface, which both leaves loopback and stalls each small
             # read for a scheduler tick (~4 ms here). UCX reads this when the agent starts.
             os.environ.setdefault("UCX_NET_DEVICES", "lo")
-        nixl_agent, nixl_agent_config = _import_nixl()
+        nixl_agent, nixl_agent_config = import_nixl()
         self._agent_name = agent_name or f"rd2h-{self.role}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         try:
             config = nixl_agent_config(
