@@ -3,8 +3,9 @@
 * :mod:`~rd2h_protocol.machines.declare`: the declaration form (:class:`MachineSpec`, in the
   ``transitions`` package's declarative shape plus an effect per transition and the guards
   its conditions name), :meth:`MachineSpec.bind` (each effect to exactly one handler,
-  checked at import) and :class:`BoundMachine` (``fire``: look up, set the state, run the
-  handler; ``fire_batch`` for a batched input: the same for a run of records at once);
+  checked at import) and :class:`BoundMachine` (``apply``: look up, set the state, run the
+  handler with the input's one typed context; ``apply_batch`` for a batched input: the same
+  for a run of records at once; ``fire``, untyped, for the runtime's small machines);
 * :mod:`~rd2h_protocol.machines.producer`: the Prefill side's tables (storage-slot gate,
   layer publication, Prefill request, connection handshake) and their guards;
 * :mod:`~rd2h_protocol.machines.consumer`: the Decode side's (request, readiness, session)

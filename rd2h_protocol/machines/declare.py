@@ -27,7 +27,7 @@ runs the bound handler. Each guard a declaration names is declared next to its t
 (``GUARDS``: what it says and which method resolves it) and rendered in the docs.
 
 An input that arrives for many records at once (one readiness names 64 requests) may be
-declared *batched* (``MachineSpec.batched``): :meth:`BoundMachine.fire_batch` then takes
+declared *batched* (``MachineSpec.batched``): :meth:`BoundMachine.apply_batch` then takes
 the records in order, looks the table up once per run of records in one state, sets
 their states and runs the bound handler once for the run, which gets the run's records
 instead of one. The rows are the same rows (the table, the diagram and the checker see
@@ -38,10 +38,10 @@ An input may be declared typed (:class:`Input`: ``Input[Ctx]``): it carries ONE 
 value, and :meth:`BoundMachine.apply` fires it with that value, which mypy checks against
 the input's declared type, and every handler it reaches takes ``(owner, record, ctx)``
 instead of positional arguments padded to one shape for all the inputs that reach it.
-(:meth:`BoundMachine.fire` keeps the untyped ``*args`` form for the machines not moved
-yet: see issue 25 item 3.) A typed batched input is fired with
-:meth:`BoundMachine.apply_batch` (its handlers take ``(owner, run, ctx)``), and a typed
-input for a record that may not exist with :meth:`BoundMachine.apply_react`.
+Every endpoint machine's inputs are typed; :meth:`BoundMachine.fire` keeps the untyped
+``*args`` form for the runtime's and the adapter's small machines. A batched input's
+handlers take ``(owner, run, ctx)``, and an input for a record that may not exist is
+applied with :meth:`BoundMachine.apply_react`.
 
 An endpoint machine also declares, per effect, the output types its handler may emit
 (``MachineSpec.outputs``; every effect named, :data:`NO_EFFECT` included where used): the
@@ -113,7 +113,7 @@ class MachineSpec:
     #: What each guard the declaration names says, and the method that resolves it (given
     #: a mapping, every ``conditions`` name must be in it; only those named are kept).
     guards: Mapping[str, Guard] = field(default_factory=dict, repr=False, compare=False)
-    #: Inputs fired for runs of records (:meth:`BoundMachine.fire_batch`); their effects'
+    #: Inputs fired for runs of records (:meth:`BoundMachine.apply_batch`); their effects'
     #: handlers take the run's records.
     batched: frozenset[str] = frozenset()
     #: The output types each effect's handler may emit, by effect (every effect named; a
@@ -210,7 +210,7 @@ class MachineSpec:
 
         A handler is called as ``handler(owner, record, *args)`` after the state changed;
         the handler of a batched input's effect as ``handler(owner, records, *args)`` with
-        a run of records (see :meth:`BoundMachine.fire_batch`). :data:`NO_EFFECT` must be
+        a run of records (see :meth:`BoundMachine.apply_batch`). :data:`NO_EFFECT` must be
         bound too where the declaration uses it (to
         :func:`no_effect`, or to a handler when the caller has something to do).
         """
@@ -270,7 +270,7 @@ class BoundMachine:
     def __init__(self, spec: MachineSpec, handlers: Mapping[str, Handler]) -> None:
         self.spec = spec
         self.handlers = dict(handlers)
-        # (fire takes the unbatched inputs' rows, fire_batch the batched ones')
+        # (apply and fire take the unbatched inputs' rows, apply_batch the batched ones')
         self._dispatch: dict[tuple[str, str], tuple[Handler, str]] = {}
         self._batch_dispatch: dict[tuple[str, str], tuple[Handler, str]] = {}
         for key, (effect, dest) in spec.table.items():
@@ -283,7 +283,7 @@ class BoundMachine:
         """What a lookup that found no row raises: the refusal, or a ValueError when the
         input is fired the other way (batched or not)."""
         if (event in self.spec.batched) != batched:
-            way = "fire_batch" if event in self.spec.batched else "fire"
+            way = "apply_batch" if event in self.spec.batched else "apply"
             return ValueError(f"{self.spec.name}: {event} is fired with {way}")
         return self.spec.refusal(state, event, error)
 
@@ -322,38 +322,6 @@ class BoundMachine:
             raise self._miss(record.state, event, error, batched=False) from None
         handler(owner, record, ctx)
 
-    def fire_batch(
-        self,
-        owner: Any,
-        records: Sequence[Any],
-        event: str,
-        *args: Any,
-        error: type[ProtocolError] = LocalProtocolError,
-    ) -> None:
-        """:meth:`fire` for each of ``records`` in order, for a batched input: one lookup
-        per run of consecutive records in one state, whose states are all set before the
-        bound handler runs once with the run (a handler changes no other record's state).
-
-        A forbidden pair raises ``error`` with the runs before it handled and its own
-        records unchanged, as firing one record at a time would.
-        """
-        n = len(records)
-        i = 0
-        while i < n:
-            state = records[i].state
-            j = i + 1
-            while j < n and records[j].state == state:
-                j += 1
-            try:
-                handler, dest = self._batch_dispatch[(state, event)]
-            except KeyError:
-                raise self._miss(state, event, error, batched=True) from None
-            run = records if j - i == n else records[i:j]
-            for record in run:
-                record.state = dest
-            handler(owner, run, *args)
-            i = j
-
     def apply_batch(
         self,
         owner: Any,
@@ -363,8 +331,14 @@ class BoundMachine:
         *,
         error: type[ProtocolError] = LocalProtocolError,
     ) -> None:
-        """:meth:`fire_batch` for a typed batched input: the bound handler gets
-        ``(owner, run, ctx)`` once per run, ``ctx`` of the type ``event`` declares."""
+        """:meth:`apply` for each of ``records`` in order, for a typed batched input: one
+        lookup per run of consecutive records in one state, whose states are all set before
+        the bound handler runs once with the run, as ``(owner, run, ctx)`` (a handler changes
+        no other record's state).
+
+        A forbidden pair raises ``error`` with the runs before it handled and its own
+        records unchanged, as applying the input one record at a time would.
+        """
         n = len(records)
         i = 0
         while i < n:
@@ -392,8 +366,10 @@ class BoundMachine:
         *,
         error: type[ProtocolError] = LocalProtocolError,
     ) -> None:
-        """:meth:`react` for a typed input: the bound handler gets ``(owner, record, ctx)``
-        (``record`` possibly None, ``state`` standing for its state)."""
+        """:meth:`apply` for a typed input every declared source of which STAYS in its state,
+        when the record may not exist (a peer bound to no session, a publication already
+        ended): ``state`` stands for its state, and the bound handler gets ``(owner,
+        record, ctx)`` with ``record`` possibly None."""
         try:
             handler, dest = self._dispatch[(state, event)]
         except KeyError:
@@ -401,26 +377,6 @@ class BoundMachine:
         if dest != state:
             raise ValueError(f"{self.spec.name}: {event} leaves {state}; use apply")
         handler(owner, record, ctx)
-
-    def react(
-        self,
-        owner: Any,
-        record: Any,
-        state: str,
-        event: str,
-        *args: Any,
-        error: type[ProtocolError] = LocalProtocolError,
-    ) -> Any:
-        """:meth:`fire` for an input every declared source of which STAYS in its state, when
-        the record may not exist (a peer bound to no session): ``state`` stands for its
-        state, and ``record`` (possibly None) goes to the handler. Returns its result."""
-        try:
-            handler, dest = self._dispatch[(state, event)]
-        except KeyError:
-            raise self._miss(state, event, error, batched=False) from None
-        if dest != state:
-            raise ValueError(f"{self.spec.name}: {event} leaves {state}; use fire")
-        return handler(owner, record, *args)
 
 
 def check_guards(specs: Sequence[MachineSpec], guards: Mapping[str, Guard]) -> None:

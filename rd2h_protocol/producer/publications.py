@@ -231,7 +231,7 @@ class PublicationEffects(Effects):
             return
         ctx = PubReply(now, G_RECV_REPLY, G_RECV_LAST_REPLY, event, failed, read_failed)
         if isinstance(found, str):  # ended: the table says duplicate or stale
-            self.TABLE.react(self, None, found, event, ctx, error=RemoteProtocolError)
+            self.TABLE.apply_react(self, None, found, event, ctx, error=RemoteProtocolError)
             return
         state.stats.replies += 1
         self.TABLE.apply(self, found, event, ctx, error=RemoteProtocolError)

@@ -13,6 +13,7 @@ from rd2h_protocol.machines.declare import (
     NO_EFFECT,
     BoundMachine,
     Guard,
+    Input,
     MachineSpec,
     check_guards,
     no_effect,
@@ -168,12 +169,12 @@ def test_fire_refuses_a_forbidden_pair_and_changes_nothing() -> None:
     assert rec.state == "open" and owner.seen == []
 
 
-def test_react_runs_a_stay_without_a_record_and_refuses_a_move() -> None:
+def test_apply_react_runs_a_stay_without_a_record_and_refuses_a_move() -> None:
     owner, bound = bound_gate()
-    bound.react(owner, None, "closed", "RECV_STALE", 1)
+    bound.apply_react(owner, None, "closed", Input("RECV_STALE"), 1)
     assert owner.seen == [("ignore", "", (1,))]
-    with pytest.raises(ValueError, match="use fire"):
-        bound.react(owner, None, "open", "LOCAL_PUBLISH")
+    with pytest.raises(ValueError, match="use apply"):
+        bound.apply_react(owner, None, "open", Input("LOCAL_PUBLISH"), None)
 
 
 def test_guards_are_declared_for_every_condition_and_only_those() -> None:
@@ -230,10 +231,10 @@ def bound_lamp() -> tuple[_Lamps, BoundMachine]:
     return _Lamps(), lamp().bind(handlers)
 
 
-def test_fire_batch_looks_up_once_per_run_of_one_state_and_hands_the_run_over() -> None:
+def test_apply_batch_looks_up_once_per_run_of_one_state_and_hands_the_run_over() -> None:
     owner, bound = bound_lamp()
     recs = [_Rec(s) for s in ("off", "off", "on", "broken", "off")]
-    bound.fire_batch(owner, recs, "LOCAL_TICK", 7)
+    bound.apply_batch(owner, recs, Input("LOCAL_TICK"), 7)
     assert [r.state for r in recs] == ["on", "on", "on", "broken", "on"]
     # runs in order; every record of a run is in its new state when the handler runs
     # (no_effect has the broken one; "off", "off" then "on" are two runs: two lookups)
@@ -242,33 +243,33 @@ def test_fire_batch_looks_up_once_per_run_of_one_state_and_hands_the_run_over() 
         ("light", ["on"], (7,)),
         ("light", ["on"], (7,)),
     ]
-    bound.fire_batch(owner, [], "LOCAL_TICK")  # nothing to fire: nothing happens
+    bound.apply_batch(owner, [], Input("LOCAL_TICK"), 7)  # nothing to fire: nothing happens
     assert len(owner.runs) == 3
 
 
-def test_fire_batch_refuses_a_forbidden_run_after_handling_the_runs_before_it() -> None:
+def test_apply_batch_refuses_a_forbidden_run_after_handling_the_runs_before_it() -> None:
     spec = MachineSpec(
         name="m", doc="", states=("a", "b"), initial="a",
         transitions=({"trigger": "GO", "source": "a", "dest": "b", "effect": "go"},),
         batched=frozenset({"GO"}),
     )  # fmt: skip
     seen: list[int] = []
-    bound = spec.bind({"go": lambda _owner, recs: seen.append(len(recs))})
+    bound = spec.bind({"go": lambda _owner, recs, _ctx: seen.append(len(recs))})
     recs = [_Rec("a"), _Rec("b"), _Rec("a")]
     with pytest.raises(RemoteProtocolError, match="GO is not allowed in state b"):
-        bound.fire_batch(None, recs, "GO", error=RemoteProtocolError)
+        bound.apply_batch(None, recs, Input("GO"), None, error=RemoteProtocolError)
     # as one record at a time: the first handled, the forbidden one and those after it not
     assert [r.state for r in recs] == ["b", "b", "a"] and seen == [1]
 
 
-def test_a_batched_input_is_fired_only_with_fire_batch_and_the_others_only_with_fire() -> None:
+def test_a_batched_input_is_applied_only_with_apply_batch_and_the_others_not() -> None:
     owner, bound = bound_lamp()
-    with pytest.raises(ValueError, match="LOCAL_TICK is fired with fire_batch"):
+    with pytest.raises(ValueError, match="LOCAL_TICK is fired with apply_batch"):
         bound.fire(owner, _Rec("off"), "LOCAL_TICK")
-    with pytest.raises(ValueError, match="LOCAL_TICK is fired with fire_batch"):
-        bound.react(owner, None, "broken", "LOCAL_TICK")
-    with pytest.raises(ValueError, match="LOCAL_BREAK is fired with fire"):
-        bound.fire_batch(owner, [_Rec("on")], "LOCAL_BREAK")
+    with pytest.raises(ValueError, match="LOCAL_TICK is fired with apply_batch"):
+        bound.apply_react(owner, None, "broken", Input("LOCAL_TICK"), None)
+    with pytest.raises(ValueError, match="LOCAL_BREAK is fired with apply"):
+        bound.apply_batch(owner, [_Rec("on")], Input("LOCAL_BREAK"), None)
     rec = _Rec("on")
     bound.fire(owner, rec, "LOCAL_BREAK", 1)
     assert rec.state == "broken" and owner.runs == [("smash", ["broken"], (1,))]
