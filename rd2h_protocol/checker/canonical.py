@@ -145,8 +145,7 @@ _SKIP: Final[dict[str, frozenset[str]]] = {
             "_aborted_to",
         }
     ),
-    # (an endpoint's form is its state's: see _canon_producer; ``out`` is empty between
-    # inputs)
+    # (an endpoint's form is its state's, see _canon_producer; out is empty between inputs)
     "rd2h_protocol.producer.state.ProducerState": frozenset(
         {
             "config",
