@@ -212,14 +212,15 @@ class ManagedProcess:
             self.popen.wait(timeout=10)
         _LIVE.pop(self.pid, None)
 
-    def lower_cpu_priority(self, nice: int) -> None:
+    def set_cpu_priority(self, nice: int) -> None:
         """Run the child's whole session (process group) at CPU niceness ``nice`` (>= 0).
 
         Where the kernel groups CPU time by session (autogroup scheduling, the default of
         most distributions), sessions share the CPUs first and a process's own nice only
         weighs inside its session: the session's autogroup nice is what lets other
         servers run. Both are set, for the processes that exist now; best effort (a
-        kernel without autogroups has no ``/proc/<pid>/autogroup``).
+        kernel without autogroups has no ``/proc/<pid>/autogroup``, and only root may
+        lower a nice value again).
         """
         with contextlib.suppress(OSError):
             os.setpriority(os.PRIO_PGRP, self.pid, nice)
@@ -307,6 +308,12 @@ class ManagedProcess:
 #: Decode beside it got no CPU, missed its handshake and heartbeats, and failed the
 #: request (HTTP 500). Niced, it leaves Decode the CPU it needs.
 POLLING_PREFILL_NICE: Final = 10
+#: CPU niceness of a server in the background (:meth:`VllmServer.set_background`): its
+#: session weighs 110 against a full-priority session's 1024 (the kernel's nice weights).
+#: On two cores, servers starting at full priority beside the servers of a running test
+#: left those without CPU for seconds at a time: up to 3 s with threads runnable here,
+#: and in a CI run long enough for a Decode's 10 s NIXL read of its Prefill to time out.
+BACKGROUND_NICE: Final = 10
 
 
 @dataclass(frozen=True)
@@ -322,7 +329,7 @@ class ServerSpec:
     into the ``--kv-transfer-config`` object itself (e.g. ``kv_load_failure_policy``);
     ``env`` is added to the server's environment (e.g. :data:`IN_PROCESS_WORKER`).
     ``ready_nice`` is the CPU niceness of the server's processes once it is ready (0 leaves
-    it; see :meth:`ManagedProcess.lower_cpu_priority`). ``cpus`` (empty: any) pins every
+    it; see :meth:`ManagedProcess.set_cpu_priority`). ``cpus`` (empty: any) pins every
     thread of the server's processes to those CPUs at launch and again once it is ready
     (:meth:`ManagedProcess.pin_cpus`).
     ``host`` is the address its HTTP server binds and is reached at; ``netns`` (None: this
@@ -448,6 +455,7 @@ class VllmServer(ManagedProcess):
         self.url = f"http://{spec.host}:{self.port}"
         self.started_at = time.monotonic()
         self.ready_s = 0.0
+        self.background = False  # see set_background()
         label = name or f"{spec.role}-{spec.model.kind}-{spec.backend}-tp{spec.tp}"
         cmd = server_command(spec, self.port, self.kv_port)
         if spec.netns is not None:
@@ -478,8 +486,20 @@ class VllmServer(ManagedProcess):
         self.ready_s = time.monotonic() - self.started_at
         if self.spec.cpus:
             self.pin_cpus(self.spec.cpus)
-        if self.spec.ready_nice:
-            self.lower_cpu_priority(self.spec.ready_nice)
+        if self.spec.ready_nice and not self.background:
+            self.set_cpu_priority(self.spec.ready_nice)
+
+    def set_background(self, background: bool) -> None:
+        """Run at :data:`BACKGROUND_NICE` (``True``) or at full priority again (the spec's
+        ``ready_nice`` once ready): a server starting ahead of its use takes only the CPU
+        the servers in use leave (root only lowers a nice value again; best effort)."""
+        if background == self.background:
+            return
+        self.background = background
+        if background:
+            self.set_cpu_priority(BACKGROUND_NICE)
+        else:
+            self.set_cpu_priority(self.spec.ready_nice if self.ready_s else 0)
 
 
 def start_server(

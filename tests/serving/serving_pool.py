@@ -6,7 +6,10 @@ one after the other), so the pool
 * knows every server each configuration (a cluster) needs, and the order the collected
   tests use the clusters in (:meth:`ServerPool.plan`, from the session's items);
 * starts each server once, ahead of use (up to ``max_units`` servers at a time, a TP 2
-  server counting twice), so start-ups overlap each other and earlier tests;
+  server counting twice), so start-ups overlap each other and earlier tests; a server
+  runs in the background (:meth:`VllmServer.set_background`) until a test asks for its
+  cluster, and the servers of the cluster in use run at full priority, so start-ups take
+  only the CPU the test leaves;
 * stops each server after the last test that needs it, and starts a server again if a
   test killed it and a later one needs it.
 
@@ -18,7 +21,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
@@ -220,14 +223,22 @@ class ServerPool:
         return server
 
     def prefetch(self) -> None:
-        """Launch upcoming servers, in order of first use, while capacity allows."""
+        """Launch upcoming servers, in order of first use, while capacity allows (in the
+        background: only :meth:`cluster` brings servers to the foreground)."""
         for name in self._upcoming_servers():
             if name in self.servers:
                 continue
             units = self._units(self.specs[name]())
             if self.servers and self._live_units() + units > self.max_units:
                 break
-            self._launch(name)
+            self._launch(name).set_background(True)
+
+    def _foreground(self, names: Collection[str]) -> None:
+        """Servers ``names`` at full priority, every other one in the background."""
+        with self._lock:
+            servers = list(self.servers.items())
+        for name, server in servers:
+            server.set_background(name not in names)
 
     def cluster(self, name: str) -> PDCluster:
         """The ready cluster ``name`` (servers started or restarted as needed)."""
@@ -238,6 +249,7 @@ class ServerPool:
                 self.drop(server_name)  # killed by a test, or died: start it again
             if server_name not in self.servers:
                 self._launch(server_name)
+        self._foreground(definition.servers)
         for server_name in definition.servers:
             server = self.servers[server_name]
             server.wait_ready(START_TIMEOUT_S)
