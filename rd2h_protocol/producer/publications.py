@@ -47,6 +47,7 @@ from rd2h_protocol.machines.producer import (
     P_LOCAL_RESEND_LAPSED,
     P_RECV_FAILED,
     P_RECV_UNKNOWN_SESSION,
+    PUB_ORPHANED,
     R_LOCAL_FAILURE,
     R_RECV_FAILURE,
     STORAGE_GATE,
@@ -234,6 +235,14 @@ class PublicationEffects(Effects):
             self.TABLE.apply_react(self, None, found, event, ctx, error=RemoteProtocolError)
             return
         state.stats.replies += 1
+        if event == P_RECV_UNKNOWN_SESSION and found.state != PUB_ORPHANED:
+            # The Decode lost the handshake that every publication still out on this
+            # connection went under, so it reads none of them, and their own replies may be
+            # lost: each takes this reply, in the order they went out (replays keep it).
+            # Orphaned ones went out on an earlier connection: only their own reply counts.
+            for pub in [p for p in conn.sent.values() if p.state != PUB_ORPHANED]:
+                self.TABLE.apply(self, pub, event, ctx, error=RemoteProtocolError)
+            return
         self.TABLE.apply(self, found, event, ctx, error=RemoteProtocolError)
 
     def _fx_count_duplicate(self, _pub: None, _ctx: PubReply) -> None:

@@ -67,6 +67,37 @@ def test_the_state_machine_catches_a_planted_bug(
     assert info.value.name == invariant
 
 
+def test_a_lost_unknown_session_reply_leaves_no_layer_unread() -> None:
+    """The run hypothesis's random profile found (shrunk): after a Decode restart, the
+    UNKNOWN_SESSION reply for one layer is dropped; the Prefill replayed only the layer
+    whose reply arrived, and that layer's done completed the request on Decode with the
+    other layer unread (S2). Every publication out under the lost session is replayed now."""
+    machine = ProtocolStateMachine()
+    first = {"arrival": "decode first", "chunks": [2], "engine": 0}
+    steps: list[tuple[Callable[..., None], dict[str, object]]] = [
+        (machine.kill, {"victim": 1}),
+        (machine.new_request, first),
+        (machine.decode_abort, {"i": 0}),
+        (machine.decode_abort, {"i": 0}),
+        (machine.drain, {"i": 0}),
+        (machine.run, {"picks": [0]}),
+        (machine.kill, {"victim": 4}),
+        (machine.new_request, first),
+        (machine.run, {"picks": [1]}),
+        (machine.new_request, first),
+        (machine.run, {"picks": [0, 2, 0]}),
+        (machine.run, {"picks": [0]}),
+        (machine.duplicate, {"i": 0}),
+        (machine.drop, {"i": 0}),
+        (machine.drop, {"i": 0}),
+    ]
+    machine.invariants_hold()
+    for step, kwargs in steps:
+        step(**kwargs)
+        machine.invariants_hold()
+    machine.teardown()
+
+
 class _HookedWorld(World):
     """A world whose network and read executor are replaced, as a runtime test would."""
 
