@@ -52,7 +52,8 @@ KEPT_REQUEST: Final = MachineSpec(
     whole KV stays in its own blocks (a Prefill that reuses shared layer buffers refuses
     to keep one) until ONE Decode claims it, or until the claim window runs out and
     its blocks are freed unread. The claim registers a Prefill request toward that
-    Decode and publishes every layer at once; a second claim is refused.
+    Decode and publishes its layers (those a step under way has not written yet at
+    that step's end); a second claim is refused.
     """,
     states=(KEPT_WAITING, KEPT_CLAIMED, KEPT_DELIVERED, KEPT_UNCLAIMED),
     initial=KEPT_WAITING,

@@ -218,7 +218,6 @@ class ProducerEndpoint:
     def end_step(self, now: float) -> list[Output]:
         """The step is over. Requests whose chunk missed a layer fail (their data is
         incomplete on Decode); the step's chunks are forgotten."""
-        del now  # ending a step starts no deadline
         state = self.state
         req_fx = self._req_fx
         n_layers = len(state.layer_names)
@@ -238,6 +237,7 @@ class ProducerEndpoint:
         state.step_count = 0
         state.step_layers = 0
         state.step_top = -1
+        self._kept_fx.publish_waiting(now)
         return self._flush()
 
     def abort(self, ext_ids: Iterable[str], reason: str, now: float) -> list[Output]:

@@ -5,9 +5,11 @@ first, with no Decode named. Prefill computes it, keeps its blocks and answers w
 KV is (:mod:`rd2h_protocol.claim`); the router then sends the request to a Decode, which
 *claims* it from this rank. :meth:`KeptEffects.keep_request` holds the request for the
 claim window; :meth:`KeptEffects.claim` registers a Prefill request toward the claiming
-Decode and publishes every layer at once, detached from the compute step (the KV was
-written in earlier steps and its blocks are still held), after which the request ends as
-any other: once every publication naming it has ended. A claim window that runs out
+Decode and publishes its layers detached from the compute step (the KV was written in
+earlier steps and its blocks are still held): at once, except that the layers a step
+under way has not written yet wait for that step's end, so that no gate closes between
+the step's wait for a layer's storage and its write. The request then ends as any other:
+once every publication naming it has ended. A claim window that runs out
 finishes the request unread (:class:`RequestFinished` with ``LEASE_EXPIRED``), so its
 blocks are freed even when no Decode ever comes.
 
@@ -36,11 +38,13 @@ from rd2h_protocol.machines.producer import (
     PREFILL_REQUEST,
     R_LOCAL_CLAIMED,
     R_SEND_DONE,
+    REQ_PUBLISHING,
 )
 from rd2h_protocol.machines.producer_inputs import ClaimAt, ReqChunk
 from rd2h_protocol.producer.config import DecodeTarget
 from rd2h_protocol.producer.records import Conn, Kept, Pub, Request
 from rd2h_protocol.producer.state import Effects
+from rd2h_protocol.wire.messages import ReadReq
 
 #: What a Prefill that cannot keep a request says (and where to go instead).
 NOT_KEPT_SHARED_STORAGE = (
@@ -123,7 +127,10 @@ class KeptEffects(Effects):
     # The kept machine's claim effects: (kept, ctx: ClaimAt).
 
     def _fx_publish_kept(self, kept: Kept, ctx: ClaimAt) -> None:
-        """Claimed: register the request toward its Decode, publish every layer at once."""
+        """Claimed: register the request toward its Decode, publish its layers. A step
+        that scheduled chunks may be between waiting for a layer's storage and writing
+        it: publishing that layer now would close its gates under the write, so the
+        layers the step has not written yet wait for its end (:meth:`publish_waiting`)."""
         conn, chunk, now = ctx.conn, ctx.chunk, ctx.now
         assert conn is not None  # RECV_CLAIM: a usable claim names its connection
         state = self.state
@@ -136,17 +143,40 @@ class KeptEffects(Effects):
         req_fx = self.req_fx
         req_fx.TABLE.apply(req_fx, req, R_LOCAL_CLAIMED, ReqChunk(chunk, main, indexer))
         state.out.append(ClaimAnswered(kept.ext_id, True, None, ""))
-        deadline = now + state.lease_s
         read_reqs = [req.chunk] if req.chunk is not None else []
+        req.chunk = None
+        n_layers = len(state.layer_slots)
+        step_open = bool(state.step) or state.step_layers > 0
+        first_waiting = state.step_top + 1 if step_open else n_layers
+        self._publish_claimed(req, read_reqs, range(first_waiting), now)
+        if first_waiting < n_layers:
+            state.claims_waiting[req.ext_id] = (first_waiting, read_reqs)
+
+    def publish_waiting(self, now: float) -> None:
+        """The step ended: publish the layers claims left for it (those still wanted)."""
+        state = self.state
+        waiting, state.claims_waiting = state.claims_waiting, {}
+        n_layers = len(state.layer_slots)
+        for ext_id, (first, read_reqs) in waiting.items():
+            req = state.requests.get(ext_id)
+            if req is not None and req.state in REQ_PUBLISHING:
+                self._publish_claimed(req, read_reqs, range(first, n_layers), now)
+
+    def _publish_claimed(
+        self, req: Request, read_reqs: list[ReadReq], layers: range, now: float
+    ) -> None:
+        state = self.state
+        deadline = now + state.lease_s
+        req_fx, publish = self.req_fx, self.pub_fx.publish
         pubs: list[Pub] = []
-        publish = self.pub_fx.publish
-        for layer_idx, slots in enumerate(state.layer_slots):
+        for layer_idx in layers:
             done: list[str] = []
             if layer_idx == state.last_layer:
                 done.append(req.ext_id)
                 req_fx.TABLE.apply(req_fx, req, R_SEND_DONE, None)
-            pubs.append(publish(layer_idx, slots, read_reqs, done, [req], deadline))
-        req.chunk = None
+            pubs.append(
+                publish(layer_idx, state.layer_slots[layer_idx], read_reqs, done, [req], deadline)
+            )
         conn_fx = self.conn_fx
         for pub in pubs:
             conn_fx.publish(pub, now)

@@ -21,7 +21,7 @@ from rd2h_protocol.producer.config import Output, ProducerConfig, ProducerStats
 from rd2h_protocol.producer.records import Conn, Gate, Kept, Pub, Request
 from rd2h_protocol.topology import wire_layer_indices
 from rd2h_protocol.wire.layout import assign_storage_slots, encode_layer_metadata
-from rd2h_protocol.wire.messages import ALL_CAPABILITIES, PROTOCOL_VERSION, MfMeta
+from rd2h_protocol.wire.messages import ALL_CAPABILITIES, PROTOCOL_VERSION, MfMeta, ReadReq
 
 if TYPE_CHECKING:
     from rd2h_protocol.producer.handshakes import ConnectionEffects
@@ -73,6 +73,9 @@ class ProducerState:
         self.step_count = 0  # chunks scheduled and not yet finished
         self.step_layers = 0  # layers written
         self.step_top = -1  # the highest layer written
+        # Claimed requests whose later layers wait for the step's end: ext id -> (first
+        # layer, what Decode reads).
+        self.claims_waiting: dict[str, tuple[int, list[ReadReq]]] = {}
         # The outputs of the input under way (empty between inputs).
         self.out: list[Output] = []
 

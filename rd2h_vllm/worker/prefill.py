@@ -390,7 +390,7 @@ class PrefillSide:
 
     def _on_claim(self, claim: Claim) -> ClaimAnswer:
         """A Decode claims a kept request (the door's I/O thread): publish it to that
-        Decode now, every layer at once."""
+        Decode now (the layers a step under way has not written yet at its end)."""
         with self._keep_lock:
             keep = self._keeps.get(claim.request_id)
             kept = keep is not None and keep.kept

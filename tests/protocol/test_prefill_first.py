@@ -89,13 +89,44 @@ def test_a_claim_can_come_while_a_compute_step_is_half_written() -> None:
     out = ep.layer_written(0, 1.0)
     out += ep.claim("r1", target(), chunk("r1", [4]), 1.0)
     out += ep.receive(CONN, ack_v2(), 1.0)
-    # The step goes on; its next layer waits for the gate the claim closed.
-    assert not ep.can_overwrite(1)
-    for m in readiness(out):
+    # The layer the step wrote goes out now (for both); the later ones wait for the step.
+    first = readiness(out)
+    assert sorted(m.layer_idx for m in first) == [0, 0]
+    for m in first:
         out += ep.receive(CONN, done(m), 1.1)
     out += write_layers(ep, [1, 2], 1.2)
     out += ep.end_step(1.2)
-    for m in readiness(out)[4:]:
+    later = readiness(out)[2:]
+    assert [(m.layer_idx, [r.ext_req_id for r in m.read_reqs]) for m in later] == [
+        (1, ["r2"]),
+        (2, ["r2"]),
+        (1, ["r1"]),
+        (2, ["r1"]),
+    ]
+    for m in later:
+        out += ep.receive(CONN, done(m), 1.3)
+    ended = finished(out)
+    assert ended["r1"].ok and ended["r2"].ok
+    assert ep.is_idle()
+
+
+def test_a_claim_between_a_layer_wait_and_its_write_leaves_the_storage_to_the_step() -> None:
+    """The runtime waits for a layer's storage (can_overwrite) and writes it later: a claim
+    published in between closed the gate under the write, and the write was refused
+    ("written without waiting for its storage", the step failed; seen in tests/serving)."""
+    ep = kept_endpoint()
+    ep.add_request("r2", target(), 1.0)
+    ep.schedule_chunk(chunk("r2", [7]), 1.0)
+    assert ep.can_overwrite(0)  # the compute path's wait for layer 0 is over
+    out = ep.claim("r1", target(), chunk("r1", [4]), 1.0)
+    out += ep.layer_written(0, 1.0)  # no LocalProtocolError: layer 0 is the step's
+    out += ep.receive(CONN, ack_v2(), 1.0)
+    assert [m.layer_idx for m in readiness(out)] == [0]  # r2's layer 0; r1 waits
+    out += write_layers(ep, [1, 2], 1.2)
+    out += ep.end_step(1.2)
+    msgs = readiness(out)
+    assert [m.done_ext_ids for m in msgs if m.read_reqs[0].ext_req_id == "r1"] == [[], [], ["r1"]]
+    for m in msgs:
         out += ep.receive(CONN, done(m), 1.3)
     ended = finished(out)
     assert ended["r1"].ok and ended["r2"].ok
