@@ -25,7 +25,6 @@ __all__ = [
     "C_LOCAL_ABORT",
     "C_LOCAL_ABORT_UNTOLD",
     "C_LOCAL_CONNECTION_LOST",
-    "C_LOCAL_HELD_ABORTS",
     "C_LOCAL_PUBLISH",
     "C_LOCAL_PUBLISH_BACKOFF",
     "C_RECV_ACK_REFUSED",
@@ -66,7 +65,6 @@ C_RECV_ACK_REFUSED: Final[Input[ConnAck]] = Input("RECV_ACK_REFUSED")
 C_TIMER_HANDSHAKE_EXPIRED: Final[Input[ConnEnd]] = Input("TIMER_HANDSHAKE_EXPIRED")
 C_RECV_UNKNOWN_SESSION: Final[Input[ConnAt]] = Input("RECV_UNKNOWN_SESSION")
 C_LOCAL_PUBLISH_BACKOFF: Final[Input[ConnAt]] = Input("LOCAL_PUBLISH_BACKOFF")
-C_LOCAL_HELD_ABORTS: Final[Input[ConnAt]] = Input("LOCAL_HELD_ABORTS")
 C_LOCAL_CONNECTION_LOST: Final[Input[ConnEnd]] = Input("LOCAL_CONNECTION_LOST")
 C_LOCAL_ABORT: Final[Input[ConnAbort]] = Input("LOCAL_ABORT")
 C_LOCAL_ABORT_UNTOLD: Final[Input[ConnAbort]] = Input("LOCAL_ABORT_UNTOLD")
@@ -195,18 +193,6 @@ CONNECTION_HANDSHAKE: Final = MachineSpec(
             "conditions": "backoff_elapsed",
             "effect": EFFECT_RETRY,
         },
-        # A handshake timed out while held publications wait for their ABORT to go out:
-        # try again at once, or their storage would stay closed until the peer is dead.
-        {
-            "trigger": C_LOCAL_HELD_ABORTS,
-            "source": CONN_IDLE,
-            "dest": CONN_HANDSHAKING,
-            "conditions": "held_aborts_waiting",
-            "effect": EFFECT_RETRY,
-        },
-        # ... a connection not idle has a handshake running or done: the ABORTs go out
-        # when it ends (or went out already).
-        *stay(C_LOCAL_HELD_ABORTS, [CONN_HANDSHAKING, CONN_READY_V1, CONN_READY_V2, CONN_REFUSED]),
         # Our ABORT (protocol v2 only): out at once to a ready peer that takes it, queued
         # while a handshake runs (it goes out when the handshake ends, if the peer takes it
         # then), and otherwise nobody can be told.

@@ -32,10 +32,12 @@ effect to the handler that performs it (the table drives the action).
   finds a publication already terminal changes nothing and is counted as duplicate (it
   had its reply) or stale (it ended without one); the table says which. UNKNOWN_SESSION
   (the Decode lost our handshake) re-queues the publication for ONE replay after a new
-  handshake; a second one fails it. A lease that runs out when no ABORT can go out at
-  once (a v1 peer, or a connection that is re-handshaking) leaves the publication
-  ``held``: its requests are failed and reported, its gates stay closed until a reply,
-  the ABORT, or the peer's declared death. A peer declared dead while the lease still runs
+  handshake, and with it every other publication still out under that handshake (their
+  own replies may be lost), in the order they went out; a second one fails it. A lease
+  that runs out when no ABORT that frees the storage can go out (a v1 peer, one without
+  ``abort`` or ``lease``) leaves the publication ``held``: its requests are failed and
+  reported, its gates stay closed until a reply or the peer's declared death (its
+  silence past ``silent_peer_timeout_s``). A peer declared dead while the lease still runs
   leaves it ``orphaned``: requests failed at once, gates closed until the lease ends.
 * **Prefill request**: registered -> sending (chunks) -> final_scheduled -> final_sent
   (its done id went out with the last cache-bearing layer) -> complete once every
@@ -73,7 +75,6 @@ from rd2h_protocol.machines.producer_gate import STORAGE_GATE
 from rd2h_protocol.machines.producer_guards import GUARDS
 from rd2h_protocol.machines.producer_inputs import (
     PubAt,
-    PubEnd,
     PubExpiry,
     PubLost,
     PubRelease,
@@ -106,8 +107,6 @@ P_LOCAL_RELEASE: Final[Input[PubRelease]] = Input("LOCAL_RELEASE")
 P_TIMER_LEASE_EXPIRED: Final[Input[PubExpiry]] = Input("TIMER_LEASE_EXPIRED")
 P_TIMER_LEASE_EXPIRED_UNTOLD: Final[Input[PubExpiry]] = Input("TIMER_LEASE_EXPIRED_UNTOLD")
 P_TIMER_LEASE_EXPIRED_UNSAFE: Final[Input[PubExpiry]] = Input("TIMER_LEASE_EXPIRED_UNSAFE")
-P_LOCAL_ABORT_SENT: Final[Input[PubEnd]] = Input("LOCAL_ABORT_SENT")
-P_LOCAL_REOPEN_UNSAFE: Final[Input[PubEnd]] = Input("LOCAL_REOPEN_UNSAFE")
 P_LOCAL_CONNECTION_LOST: Final[Input[PubLost]] = Input("LOCAL_CONNECTION_LOST")
 P_LOCAL_RESEND: Final[Input[PubAt]] = Input("LOCAL_RESEND")
 P_LOCAL_LEASE_LAPSED: Final[Input[PubAt]] = Input("LOCAL_LEASE_LAPSED")
@@ -247,20 +246,6 @@ LAYER_PUBLICATION: Final = MachineSpec(
             "dest": PUB_EXPIRED,
             "conditions": ["peer_cannot_be_told", "v1_lease_expiry_reopen"],
             "effect": EFFECT_EXPIRE_UNTOLD,
-        },
-        {
-            "trigger": P_LOCAL_ABORT_SENT,
-            "source": PUB_HELD,
-            "dest": PUB_EXPIRED,
-            "conditions": "handshake_done_with_abort",
-            "effect": EFFECT_RELEASE_HELD,
-        },
-        {
-            "trigger": P_LOCAL_REOPEN_UNSAFE,
-            "source": PUB_HELD,
-            "dest": PUB_EXPIRED,
-            "conditions": ["handshake_done_without_abort", "v1_lease_expiry_reopen"],
-            "effect": EFFECT_RELEASE_HELD,
         },
         # The runtime's heartbeat declared the peer dead. Still within its lease: fail the
         # requests now (ABORT best effort) but hold the gates until the lease ends too.

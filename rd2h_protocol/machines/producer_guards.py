@@ -21,7 +21,7 @@ GUARDS: Final[dict[str, Guard]] = {
     ),
     "v1_lease_expiry_reopen": Guard(
         'v1_lease_expiry="reopen" (unsafe: v1\'s liveness over safety)',
-        "leases.fx_lease_ran_out, ConnectionEffects.settle_held",
+        "leases.fx_lease_ran_out",
     ),
     # layer publication
     "connection_ready": Guard(
@@ -54,14 +54,6 @@ GUARDS: Final[dict[str, Guard]] = {
     ),
     "peer_cannot_be_told": Guard(
         "the peer has no abort capability (v1)", "leases.fx_lease_ran_out"
-    ),
-    "handshake_done_with_abort": Guard(
-        "a handshake ended and the ABORT the held publication waits for went out",
-        "ConnectionEffects.settle_held",
-    ),
-    "handshake_done_without_abort": Guard(
-        "a handshake ended and no ABORT can go out to the peer",
-        "ConnectionEffects.settle_held",
     ),
     "lease_expired": Guard("its lease ran out already (it is held)", "dead_peers.lose_connection"),
     # kept request (Prefill-first)
@@ -109,10 +101,6 @@ GUARDS: Final[dict[str, Guard]] = {
     # connection handshake
     "backoff_elapsed": Guard(
         "the refusal's backoff has passed (now >= retry_at)", "ConnectionEffects.publish"
-    ),
-    "held_aborts_waiting": Guard(
-        "held publications wait for an ABORT and the idle connection's peer takes ABORT",
-        "ConnectionEffects.retry_for_held_aborts",
     ),
     "peer_takes_abort": Guard(
         "the peer has the abort capability (as the last handshake said)",

@@ -53,9 +53,9 @@ class PubAt:
 
 @dataclass(slots=True)
 class PubEnd(PubAt):
-    """``LOCAL_ABORT_SENT``, ``LOCAL_REOPEN_UNSAFE``, and the base of every input that may
-    end the publication: the storage gate inputs that count it off its gates (``one``
-    while others are outstanding there, ``last`` for the last one)."""
+    """The base of every input that may end the publication: the storage gate inputs
+    that count it off its gates (``one`` while others are outstanding there, ``last`` for
+    the last one)."""
 
     one: Input[int]
     last: Input[int]
@@ -100,9 +100,9 @@ class PubExpiry(PubEnd):
 
 @dataclass(slots=True)
 class ConnAt:
-    """``LOCAL_PUBLISH`` (and ``_BACKOFF``), ``RECV_UNKNOWN_SESSION``, ``LOCAL_HELD_ABORTS``:
-    when, and the publication that waits for the connection (None when no publication is
-    at stake; ``LOCAL_PUBLISH`` always names one)."""
+    """``LOCAL_PUBLISH`` (and ``_BACKOFF``), ``RECV_UNKNOWN_SESSION``: when, and the
+    publication that waits for the connection (None when no publication is at stake;
+    ``LOCAL_PUBLISH`` always names one)."""
 
     now: float
     pub: Pub | None

@@ -3,14 +3,12 @@
 MF_META out, ACK in (v2, v1 or a refusal with its backoff); publications and ABORTs wait
 in the connection's queue while a handshake runs. Also where ABORTs go out
 (:meth:`ConnectionEffects.emit_abort`), since whether one can depends on what was
-negotiated, and where held publications get the ABORT they wait for once a handshake
-ends (:meth:`ConnectionEffects.settle_held`).
+negotiated.
 """
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable
 from typing import ClassVar
 
 import msgspec
@@ -21,7 +19,6 @@ from rd2h_protocol.machines.declare import NO_EFFECT, BoundMachine, no_effect
 from rd2h_protocol.machines.producer import (
     C_LOCAL_ABORT,
     C_LOCAL_ABORT_UNTOLD,
-    C_LOCAL_HELD_ABORTS,
     C_LOCAL_PUBLISH,
     C_LOCAL_PUBLISH_BACKOFF,
     C_RECV_ACK_REFUSED,
@@ -41,18 +38,11 @@ from rd2h_protocol.machines.producer import (
     EFFECT_RETRY,
     EFFECT_SEND,
     EFFECT_SEND_META,
-    G_LOCAL_ABORT_SENT,
-    G_LOCAL_LAST_ABORT_SENT,
     G_LOCAL_LAST_RELEASE,
-    G_LOCAL_LAST_REOPEN_UNSAFE,
     G_LOCAL_RELEASE,
-    G_LOCAL_REOPEN_UNSAFE,
-    P_LOCAL_ABORT_SENT,
     P_LOCAL_LEASE_LAPSED,
     P_LOCAL_RELEASE,
-    P_LOCAL_REOPEN_UNSAFE,
     P_SEND_READINESS,
-    PUB_HELD,
 )
 from rd2h_protocol.machines.producer_inputs import (
     ConnAbort,
@@ -60,7 +50,6 @@ from rd2h_protocol.machines.producer_inputs import (
     ConnAt,
     ConnEnd,
     PubAt,
-    PubEnd,
     PubRelease,
 )
 from rd2h_protocol.producer.config import DecodeTarget
@@ -187,7 +176,6 @@ class ConnectionEffects(Effects):
             f"(code {ack.error_code}): {ack.error or 'no reason given'}"
         )
         self.fail_queued(conn, ErrorCode.INCOMPATIBLE, conn.refusal)
-        self.settle_held(conn, now)
 
     def _fx_flush(self, conn: Conn, ctx: ConnAck) -> None:
         """Ready: send the readiness queued for the handshake, then the ABORTs."""
@@ -213,55 +201,6 @@ class ConnectionEffects(Effects):
         aborts, conn.pending_aborts = conn.pending_aborts, []
         if aborts and self.can_abort_now(conn):
             self.emit_abort(conn, aborts, "aborted by Prefill")
-        self.settle_held(conn, now, told=aborts)
-
-    def settle_held(self, conn: Conn, now: float, told: Iterable[str] = ()) -> None:
-        """A handshake ended: deliver the ABORTs held publications wait for, if we can.
-
-        Toward a peer that can be told now, the ABORT goes out, THEN their gates reopen.
-        Otherwise, under "reopen", they reopen untold (unsafe); under "hold" they stay, and
-        a connection left idle by a timeout tries a new handshake at once (the ABORT is the
-        only way out short of a reply or the peer's declared death). ``told``: ids an ABORT
-        emitted by this same handshake named already.
-        """
-        held = [p for p in conn.sent.values() if p.state == PUB_HELD and p.abort_ids]
-        if not held:
-            return
-        if self.can_abort_now(conn) and not self.abort_frees_storage(conn):
-            # A peer without leases: told to stop, the storage waits for its replies.
-            ids = [i for p in held for i in p.abort_ids if i not in set(told)]
-            for p in held:
-                p.abort_ids = []
-            if ids:
-                self.emit_abort(conn, list(dict.fromkeys(ids)), "lease expired")
-            return
-        if self.can_abort_now(conn):
-            skip = set(told)
-            ids = [i for p in held for i in p.abort_ids if i not in skip]
-            if ids:
-                reason = "lease expired while the handshake ran"
-                self.emit_abort(conn, list(dict.fromkeys(ids)), reason)
-            event, one, last = P_LOCAL_ABORT_SENT, G_LOCAL_ABORT_SENT, G_LOCAL_LAST_ABORT_SENT
-        elif self.state.config.v1_lease_expiry == "reopen":
-            self.state.stats.unsafe_reopens += len(held)
-            event, one, last = (
-                P_LOCAL_REOPEN_UNSAFE,
-                G_LOCAL_REOPEN_UNSAFE,
-                G_LOCAL_LAST_REOPEN_UNSAFE,
-            )
-        else:
-            self.retry_for_held_aborts(conn, now)
-            return
-        ctx = PubEnd(now, one, last)
-        pub_fx = self.pub_fx
-        for pub in held:
-            pub_fx.TABLE.apply(pub_fx, pub, event, ctx)
-
-    def retry_for_held_aborts(self, conn: Conn, now: float) -> None:
-        """Start a handshake for held ABORTs on an idle connection whose peer can take them
-        (the table says which states start one)."""
-        if CAP_ABORT in conn.caps:
-            self.TABLE.apply(self, conn, C_LOCAL_HELD_ABORTS, ConnAt(now, None))
 
     def fail_queued(self, conn: Conn, code: ErrorCode, message: str) -> None:
         """Release the readiness that never left: nothing can read it, the gates reopen."""
@@ -276,7 +215,6 @@ class ConnectionEffects(Effects):
     def _fx_fail_queued(self, conn: Conn, ctx: ConnEnd) -> None:
         """The handshake timed out: release the readiness queued for it."""
         self.fail_queued(conn, ErrorCode.TIMEOUT, ctx.message)
-        self.settle_held(conn, ctx.now)
 
     def _fx_reset(self, c: Conn, ctx: ConnEnd) -> None:
         """Forget the handshake (the peer that comes back is a new process), fail what

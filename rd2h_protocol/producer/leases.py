@@ -128,13 +128,9 @@ def fx_hold(fx: PublicationEffects, pub: Pub, ctx: PubExpiry) -> None:
         pub.held_at = now
         heapq.heappush(state.timers, (now + silence, pub.uid))
     fx.drain_pub(pub)  # its requests end now; the gates wait
-    if conn_fx.can_abort_now(conn) or (CAP_ABORT in conn.caps and not ids):
+    if ids and conn_fx.can_abort_now(conn):
         # A peer without leases: told to stop, its storage waits for the reply.
-        if ids:
-            conn_fx.emit_abort(conn, ids, f"lease of layer {pub.layer_idx} expired")
-    else:
-        pub.abort_ids = ids
-        conn_fx.retry_for_held_aborts(conn, now)
+        conn_fx.emit_abort(conn, ids, f"lease of layer {pub.layer_idx} expired")
     # Ask for that reply, which alone frees the storage: the readiness may never
     # have arrived (a peer with ``resend`` serves an unseen seq, now empty, and
     # answers one it saw, or one lost in a gap, from memory).

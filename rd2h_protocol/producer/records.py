@@ -75,7 +75,6 @@ class Pub:
     state: str = PUB_QUEUED
     seq: int | None = None  # key in conn.sent while on the wire
     sent_at: float = 0.0  # now of the last Send of its readiness
-    abort_ids: list[str] = field(default_factory=list)  # held: the ABORT it waits for
     held_at: float = 0.0  # now when it was held (silent peers)
 
 

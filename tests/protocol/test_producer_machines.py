@@ -115,7 +115,7 @@ def test_gate_opens_without_a_reply_or_abort_only_after_the_lease_ran_out() -> N
             STORAGE_GATE.step("closed", event)
 
 
-def test_held_and_orphaned_publications_end_only_by_reply_abort_or_death_and_lease() -> None:
+def test_held_and_orphaned_publications_end_only_by_reply_or_death_and_lease() -> None:
     for state in ("held", "orphaned"):
         for event, dest in (
             ("RECV_DONE", "replied"),
@@ -123,21 +123,17 @@ def test_held_and_orphaned_publications_end_only_by_reply_abort_or_death_and_lea
             ("RECV_UNKNOWN_SESSION", "failed"),
         ):
             assert LAYER_PUBLICATION.step(state, event) == ("release_held", dest)
-    assert LAYER_PUBLICATION.step("held", "LOCAL_ABORT_SENT") == ("release_held", "expired")
     assert LAYER_PUBLICATION.step("held", "LOCAL_CONNECTION_LOST") == ("release_held", "expired")
     assert LAYER_PUBLICATION.step("orphaned", "TIMER_LEASE_EXPIRED") == ("release_held", "expired")
     assert LAYER_PUBLICATION.step("orphaned", "LOCAL_CONNECTION_LOST") == ("none", "orphaned")
     for event in ("TIMER_LEASE_EXPIRED", "SEND_READINESS"):
         with pytest.raises(LocalProtocolError):
             LAYER_PUBLICATION.step("held", event)  # its lease ran out already, never resent
-    with pytest.raises(LocalProtocolError):
-        LAYER_PUBLICATION.step("orphaned", "LOCAL_ABORT_SENT")  # needs its lease too
 
 
 def test_connection_handshake_retries_and_resets() -> None:
     # (retry: send_meta, counted as a retry)
     assert CONNECTION_HANDSHAKE.step("refused", "LOCAL_PUBLISH") == ("retry", "handshaking")
     assert CONNECTION_HANDSHAKE.step("refused", "LOCAL_PUBLISH_BACKOFF") == ("release", "refused")
-    assert CONNECTION_HANDSHAKE.step("idle", "LOCAL_HELD_ABORTS") == ("retry", "handshaking")
     for state in CONNECTION_HANDSHAKE.states:
         assert CONNECTION_HANDSHAKE.step(state, "LOCAL_CONNECTION_LOST") == ("reset", "idle")
