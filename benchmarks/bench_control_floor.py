@@ -220,8 +220,8 @@ def instrument(pair: Pair, probe: Probe) -> None:
         probe.sizes["reply"] = len(payload)
         d_send(peer, payload)
 
-    p._send = send_readiness  # type: ignore[method-assign]
-    d._send = send_reply  # type: ignore[method-assign]
+    p._send = send_readiness  # type: ignore[method-assign,assignment]
+    d._send = send_reply  # type: ignore[method-assign,assignment]
     # the I/O threads: when a frame is handed to ZMQ (after the wake-up from the thread
     # that queued it), and when a readable socket is served
     client: Any = p._control

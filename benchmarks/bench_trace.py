@@ -116,8 +116,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "on": TracedPair(args.requests, args.blocks, tmp, seed=1),
         }
         samples: dict[str, list[float]] = {name: [] for name in pairs}
-        on = pairs["on"]
-        tracers = [t for t in (on.prefill._tracer, on.decode._tracer) if t is not None]
+        traced = pairs["on"]
+        tracers = [t for t in (traced.prefill._tracer, traced.decode._tracer) if t is not None]
         cpu0 = 0.0
         try:
             for i in range(args.warmup + args.repeats):
@@ -139,9 +139,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         trace_bytes = sum(
             os.path.getsize(os.path.join(tmp, f)) for f in os.listdir(tmp) if f.endswith(".ndjson")
         )
-    off = statistics.median(samples["off"]) * 1e3
-    on = statistics.median(samples["on"]) * 1e3
-    overhead = (on - off) / off * 100
+    off_ms = statistics.median(samples["off"]) * 1e3
+    on_ms = statistics.median(samples["on"]) * 1e3
+    overhead = (on_ms - off_ms) / off_ms * 100
     layers = len(samples["on"])
     record_us = record_cost_us()
     print(
@@ -161,7 +161,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     per_layer_us = writer_cpu / max(1, layers) * 1e6
     print(
         f"  writer thread: {per_layer_us:.0f} us CPU per layer "
-        f"({per_layer_us / 1e3 / off * 100:.1f}% of the OFF median; off the protocol's "
+        f"({per_layer_us / 1e3 / off_ms * 100:.1f}% of the OFF median; off the protocol's "
         "threads, it competes for the GIL only)"
     )
     print(f"  recording one call (what a traced thread pays): {record_us:.2f} us")

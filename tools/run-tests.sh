@@ -40,7 +40,7 @@ export UCX_MODULES="${UCX_MODULES:-^ib}"
 
 "$PYTHON" -m ruff check .
 "$PYTHON" -m ruff format --check .
-"$PYTHON" -m mypy rd2h_protocol rd2h_runtime rd2h_vllm rd2h_proxy rd2h_app
+"$PYTHON" -m mypy rd2h_protocol rd2h_runtime rd2h_vllm rd2h_proxy rd2h_app benchmarks
 # The package floors of [tool.importlinter] in pyproject.toml: imports point down only.
 "$PYTHON" -c 'from importlinter.cli import lint_imports_command; lint_imports_command()'
 "$PYTHON" -m rd2h_protocol.spec --check
