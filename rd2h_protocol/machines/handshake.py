@@ -178,7 +178,8 @@ CONNECTION_HANDSHAKE: Final = MachineSpec(
             "conditions": "peer_reconnects",
             "effect": EFFECT_SEND_META,
         },
-        # Further UNKNOWN_SESSION replies while the new handshake runs join its queue.
+        # The other publications out under the lost handshake take the same reply
+        # (PublicationEffects.on_reply): each joins the new handshake's queue.
         {
             "trigger": C_RECV_UNKNOWN_SESSION,
             "source": CONN_HANDSHAKING,
